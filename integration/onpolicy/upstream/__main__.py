@@ -1,0 +1,5 @@
+import sys
+
+from onpolicy.upstream.cli import main
+
+sys.exit(main())
