@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         if cmd == "apply":
             p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     p = sub.add_parser("rebase", help="3-way apply the series onto another pinned version")
-    p.add_argument("name", choices=NAMES)
+    p.add_argument("name", help="series name, e.g. megatron-lm or sglang")
     p.add_argument("version")
     return ap
 

@@ -49,7 +49,7 @@ def load_pin(root: Path, name: str, version: str | None = None, archive: str | N
     files = data.get("files", {})
     if version not in files:
         raise UpstreamError(
-            f"{name} {version} is not pinned in {path}: add a [files.\"{version}\"] entry with "
+            f'{name} {version} is not pinned in {path}: add a [files."{version}"] entry with '
             f"its file name and sha256 (pinned versions: {sorted(files)})"
         )
     if archive not in files[version]:

@@ -219,9 +219,9 @@ def rebase(root: Path, name: str, version: str) -> tuple[Path, list[RebaseRow]]:
         if p.returncode == 0:
             rows.append(RebaseRow(patch.name, "offset", files))
             continue
-        conflicted = tuple(
-            git(dest, "diff", "--name-only", "--diff-filter=U").stdout.split()
-        ) or files
+        conflicted = (
+            tuple(git(dest, "diff", "--name-only", "--diff-filter=U").stdout.split()) or files
+        )
         # Commit the conflict markers under the patch's own message, for the engineer to fix.
         git(dest, "add", "-A")
         git(dest, "am", "--continue", check=False)
@@ -243,4 +243,5 @@ def status(root: Path, name: str) -> str:
         state = f"applied ({ahead} commits{', uncommitted edits' if dirty else ''})"
     else:
         state = "stale (pin or patches changed since apply)"
-    return f"{name}: {pin.package} {pin.version} [{pin.archive}] {len(series.patches)} patches, {state}"
+    n = len(series.patches)
+    return f"{name}: {pin.package} {pin.version} [{pin.archive}] {n} patches, {state}"
