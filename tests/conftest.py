@@ -1,0 +1,49 @@
+"""Shared fixtures: a torchrun launcher (one fresh process group per multi-rank case)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(
+    script: Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None
+) -> str:
+    """Run `script` under torchrun with `nproc` gloo ranks; return stdout, fail with the logs."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        str(script), *args,
+    ]  # fmt: skip
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "integration"), str(REPO / "tests")]),
+        **(env or {}),
+    }
+    p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        pytest.fail(
+            f"torchrun {script.name} x{nproc} {' '.join(args)} exited {p.returncode}\n"
+            f"--- stdout ---\n{p.stdout[-6000:]}\n--- stderr ---\n{p.stderr[-6000:]}"
+        )
+    return p.stdout
+
+
+@pytest.fixture
+def torchrun():
+    """`torchrun(script, nproc, *args)`: a fresh multi-process gloo job; returns its stdout."""
+    return run_torchrun
