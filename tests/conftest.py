@@ -47,3 +47,21 @@ def run_torchrun(
 def torchrun():
     """`torchrun(script, nproc, *args)`: a fresh multi-process gloo job; returns its stdout."""
     return run_torchrun
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The default seeded tiny Qwen3-MoE (bf16 weights, HF layout), written once per session."""
+    from onpolicy.models import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_checkpoint):
+    """HF transformers Qwen3MoeForCausalLM on the tiny checkpoint, fp32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    return model.eval()

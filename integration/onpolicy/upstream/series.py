@@ -70,7 +70,13 @@ def _lint_patch(name: str, path: Path) -> list[str]:
     for h in REQUIRED_HEADERS:
         if not any(line.startswith(h) for line in lines):
             problems.append(f"{name}/{path.name}: missing header line {h!r}")
-    for line in lines:
+    for i, line in enumerate(lines):
+        if line.startswith("Subject:"):
+            # format-patch folds long subjects onto indented continuation lines.
+            for more in lines[i + 1 :]:
+                if not more.startswith(" "):
+                    break
+                line += more
         if line.startswith("Upstream-Status:") and not UPSTREAM_STATUS.match(line):
             problems.append(
                 f"{name}/{path.name}: bad {line!r}; use not-needed-upstream, to-propose, "

@@ -140,6 +140,7 @@ def export(root: Path, name: str) -> list[str]:
     rendered = render(tree)
     folder = root / "patches" / name
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}."))
+    staging.chmod(0o755)  # mkdtemp makes it private; the committed folder must not be
     try:
         for fname, data in rendered.items():
             (staging / fname).write_bytes(data)

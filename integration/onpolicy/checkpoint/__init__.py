@@ -1,0 +1,1 @@
+"""Checkpoint conversion between the HF layout and Megatron, per parallel layout."""
