@@ -8,7 +8,9 @@ like any wheel. RECORD is rewritten so its hashes match the patched files.
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import io
 import os
 import sys
 import tempfile
@@ -50,9 +52,12 @@ def repack(root: Path, name: str) -> Path:
                     continue
                 data = path.read_bytes()
                 z.writestr(rel, data)
-                records.append(f"{rel},{_digest(data)},{len(data)}")
-            records.append(f"{record_name},,")
-            z.writestr(record_name, "\n".join(records) + "\n")
+                records.append((rel, _digest(data), str(len(data))))
+            records.append((record_name, "", ""))
+            # csv, as the wheel spec says: some sglang file names contain commas.
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerows(records)
+            z.writestr(record_name, buf.getvalue())
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
