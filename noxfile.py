@@ -13,6 +13,7 @@ nox -s e2e                   the GRPO loop (not built yet; see README)
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import nox
@@ -22,19 +23,23 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH_CPU = "torch==2.13.0"
+TORCH_CONSTRAINT = ROOT / "integration/onpolicy/upstream/torch-cpu.txt"
 SGLANG_CPU_REQS = ROOT / "integration/onpolicy/upstream/sglang-cpu-requirements.txt"
-SGLANG_GPU_REQS = ROOT / "integration/onpolicy/upstream/sglang-gpu-requirements.txt"
-TEST_REQS = ["pytest", "hypothesis", "numpy", "packaging>=24.2", "safetensors", "transformers"]
+TEST_REQS = ["pytest", "hypothesis", "numpy", "packaging>=24.2", "safetensors", "transformers", "ray"]
 
 
-def _tool(session: nox.Session, *args: str) -> None:
-    session.run("python", "-m", "onpolicy.upstream", *args, env={"PYTHONPATH": "integration"})
+def _tool(session: nox.Session, *args: str, silent: bool = False) -> str:
+    """`python -m <args>` with integration/ importable (the patch tool needs nothing else)."""
+    python = "python" if session.virtualenv.location else sys.executable
+    out = session.run(python, "-m", *args, env={"PYTHONPATH": str(ROOT / "integration")},
+                      silent=silent)  # fmt: skip
+    return (out or "").strip().splitlines()[-1] if silent else ""
 
 
 def _inputs_key(gpu: bool) -> str:
     """Hash of everything the engine install depends on: pins, patches, requirement files."""
     h = hashlib.sha256(b"gpu" if gpu else b"cpu")
-    files = [ROOT / "pyproject.toml", SGLANG_CPU_REQS, SGLANG_GPU_REQS]
+    files = [ROOT / "pyproject.toml", ROOT / "noxfile.py", SGLANG_CPU_REQS, TORCH_CONSTRAINT]
     files += sorted((ROOT / "third_party").rglob("upstream.toml"))
     files += sorted((ROOT / "patches").rglob("*"))
     for f in files:
@@ -44,28 +49,33 @@ def _inputs_key(gpu: bool) -> str:
 
 
 def _install(session: nox.Session, gpu: bool = False) -> None:
-    """Install the patched engines into the session venv; skipped when the inputs are unchanged."""
+    """Install the patched engines into the session venv; skipped when the inputs are unchanged.
+
+    CPU: torch 2.13.0 (CPU build) is pinned by constraint for every install, sglang is
+    installed without its CUDA-pinned dependency set, plus the light packages it needs on CPU.
+    GPU (`--gpu`): no constraint; the patched sglang wheel brings its full upstream dependency
+    set (CUDA torch, sglang-kernel, flashinfer), as upstream's install guide does.
+    """
     stamp = Path(session.virtualenv.location) / f".onpolicy-engines-{_inputs_key(gpu)}"
     if stamp.exists():
         session.log(f"patched engines up to date ({stamp.name})")
         session.install("--no-deps", "-e", ".")
         return
-    constraint = [] if gpu else ["-c", str(ROOT / "integration/onpolicy/upstream/torch-cpu.txt")]
-    session.run_install("python", "-m", "pip", "install", "--upgrade", "pip", "setuptools", "wheel")
+    constraint = [] if gpu else ["-c", str(TORCH_CONSTRAINT)]
+    session.install("--upgrade", "pip", "setuptools", "wheel")
     if not gpu:
         session.install(TORCH_CPU)
-    _tool(session, "apply")
-    mcore = ROOT / "build/upstream/megatron-lm"
-    session.install(*constraint, "--no-deps", "--no-build-isolation", str(mcore))
-    reqs = SGLANG_GPU_REQS if gpu else SGLANG_CPU_REQS
-    if reqs.exists():
-        session.install(*constraint, "-r", str(reqs))
-    wheel = session.run(
-        "python", "-m", "onpolicy.upstream.install_tree", "sglang",
-        env={"PYTHONPATH": "integration"}, silent=True,
-    )  # fmt: skip
-    session.install(*constraint, "--no-deps", "--force-reinstall", wheel.strip().splitlines()[-1])
-    session.install(*constraint, *TEST_REQS, "ray", "nox")
+    _tool(session, "onpolicy.upstream", "apply")
+    mcore = _tool(session, "onpolicy.upstream.install_tree", "megatron-lm", silent=True)
+    sglang = _tool(session, "onpolicy.upstream.install_tree", "sglang", silent=True)
+    session.install(*constraint, "--no-deps", mcore)
+    if gpu:
+        session.install("--force-reinstall", "--no-deps", sglang)
+        session.install(sglang)
+    else:
+        session.install(*constraint, "-r", str(SGLANG_CPU_REQS))
+        session.install(*constraint, "--no-deps", "--force-reinstall", sglang)
+    session.install(*constraint, *TEST_REQS)
     session.install(*constraint, "--no-deps", "-e", ".")
     for old in Path(session.virtualenv.location).glob(".onpolicy-engines-*"):
         old.unlink()
@@ -83,14 +93,15 @@ def tests(session: nox.Session) -> None:
     """The CPU test suite on the real patched engines."""
     _install(session)
     args = session.posargs or ["-m", "not gpu"]
-    session.run("python", "-m", "pytest", *args, env={"OMP_NUM_THREADS": "1"})
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    session.run("python", "-m", "pytest", *args, env=env)
 
 
 @nox.session(python=False)
 def patches(session: nox.Session) -> None:
     """Apply both series strictly into build/upstream/ and check them."""
-    _tool(session, "apply", *session.posargs)
-    _tool(session, "check", *session.posargs)
+    _tool(session, "onpolicy.upstream", "apply", *session.posargs)
+    _tool(session, "onpolicy.upstream", "check", *session.posargs)
 
 
 @nox.session

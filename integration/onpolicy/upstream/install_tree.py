@@ -1,8 +1,10 @@
-"""Repack a patched unpacked-wheel tree (build/upstream/<name>/) as a wheel pip can install.
+"""Turn a patched tree (build/upstream/<name>/) into something pip installs; print its path.
 
-sglang ships no sdist, so its series applies to the unpacked wheel. Zipping the patched tree
-back under the pinned wheel's file name lets `pip install --no-deps` install and uninstall it
-like any wheel. RECORD is rewritten so its hashes match the patched files.
+- An sdist pin (megatron-core): a clean export of the tree's HEAD under build/src/, so pip's
+  in-tree build never dirties the patched git tree.
+- A wheel pin (sglang ships no sdist; its series applies to the unpacked wheel): the patched
+  tree zipped back under the pinned wheel's file name, RECORD rewritten to match the patched
+  files, so pip installs and uninstalls it like any wheel.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import csv
 import hashlib
 import io
 import os
+import shutil
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -20,20 +24,42 @@ from pathlib import Path
 from onpolicy.upstream.cli import find_root
 from onpolicy.upstream.errors import UpstreamError
 from onpolicy.upstream.pins import load_pin
-from onpolicy.upstream.tree import MARKER
+from onpolicy.upstream.tree import MARKER, git
 
 
 def _digest(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def repack(root: Path, name: str) -> Path:
+def installable(root: Path, name: str) -> Path:
+    """The path to hand to `pip install` for the applied tree of `name`."""
     pin = load_pin(root, name)
-    if not pin.file.endswith(".whl"):
-        raise UpstreamError(f"{name} is pinned to {pin.file}, not a wheel; install it with pip")
     tree = root / "build" / "upstream" / name
     if not (tree / MARKER).is_file():
         raise UpstreamError(f"{tree} is not an applied tree; run `onpolicy upstream apply {name}`")
+    return repack(root, name, tree) if pin.file.endswith(".whl") else source_copy(root, name, tree)
+
+
+def source_copy(root: Path, name: str, tree: Path) -> Path:
+    """HEAD of the patched tree, exported to build/src/<name>/ (replaced atomically)."""
+    out = root / "build" / "src"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
+    try:
+        archive = git(tree, "archive", "--format=tar", "HEAD", text=False).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as t:
+            t.extractall(tmp, filter="data")
+        dest = out / name
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def repack(root: Path, name: str, tree: Path) -> Path:
+    pin = load_pin(root, name)
     dist_info = [d for d in tree.glob("*.dist-info") if d.is_dir()]
     if len(dist_info) != 1:
         raise UpstreamError(f"{tree}: expected one *.dist-info folder, got {len(dist_info)}")
@@ -67,7 +93,7 @@ def repack(root: Path, name: str) -> Path:
 
 if __name__ == "__main__":
     try:
-        print(repack(find_root(), sys.argv[1]))
+        print(installable(find_root(), sys.argv[1]))
     except UpstreamError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
