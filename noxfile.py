@@ -25,7 +25,15 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH_CPU = "torch==2.13.0"
 TORCH_CONSTRAINT = ROOT / "integration/onpolicy/upstream/torch-cpu.txt"
 SGLANG_CPU_REQS = ROOT / "integration/onpolicy/upstream/sglang-cpu-requirements.txt"
-TEST_REQS = ["pytest", "hypothesis", "numpy", "packaging>=24.2", "safetensors", "transformers", "ray"]
+TEST_REQS = [
+    "pytest",
+    "hypothesis",
+    "numpy",
+    "packaging>=24.2",
+    "safetensors",
+    "transformers",
+    "ray",
+]
 
 
 def _tool(session: nox.Session, *args: str, silent: bool = False) -> str:

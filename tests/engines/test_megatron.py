@@ -48,7 +48,9 @@ def hf_logits(hf_model, tokens: torch.Tensor) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_hf_and_trains(name, torchrun, tiny_checkpoint, hf_model, world1, tmp_path):
-    fwd, train = world1 if name == "world1" else run_layout(torchrun, tiny_checkpoint, tmp_path, name)
+    fwd, train = (
+        world1 if name == "world1" else run_layout(torchrun, tiny_checkpoint, tmp_path, name)
+    )
     ref = hf_logits(hf_model, fwd["tokens"])
     diff = (fwd["logits"] - ref).abs().max().item()
     assert diff < LOGIT_ATOL, f"{name}: max |logit - HF| = {diff:.3e}"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -194,10 +196,12 @@ def test_rebase_table(tmp_path, capsys):
 def test_cli_status_and_module_entry(tmp_path):
     root = with_two_patches(tmp_path)
     tree.apply(root, "demo", force=True)
+    integration = str(Path(__file__).resolve().parents[2] / "integration")
     p = subprocess.run(
-        ["python", "-m", "onpolicy.upstream", "--root", str(root), "status", "demo"],
+        [sys.executable, "-m", "onpolicy.upstream", "--root", str(root), "status", "demo"],
         capture_output=True,
         text=True,
+        env={**os.environ, "PYTHONPATH": integration},
     )
     assert p.returncode == 0, p.stderr
     assert "demo: demo 1.0 [sdist] 2 patches, applied (2 commits)" in p.stdout

@@ -41,7 +41,9 @@ FORMAT_PATCH = [
 ]
 
 
-def git(cwd: Path, *args: str, check: bool = True, text: bool = True) -> subprocess.CompletedProcess:
+def git(
+    cwd: Path, *args: str, check: bool = True, text: bool = True
+) -> subprocess.CompletedProcess:
     env = {**os.environ, **IDENTITY, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
     p = subprocess.run(["git", *args], cwd=cwd, env=env, text=text, capture_output=True)
     if check and p.returncode != 0:

@@ -30,7 +30,9 @@ MICRO_BATCHES, MICRO_BATCH, SEQ = 2, 2, 16
 
 def batches(vocab: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=g) for _ in range(MICRO_BATCHES)]
+    return [
+        torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=g) for _ in range(MICRO_BATCHES)
+    ]
 
 
 def params_digest(model: torch.nn.Module, expert: bool) -> str:
@@ -92,7 +94,9 @@ def run(args: argparse.Namespace) -> None:
     data = batches(hf["vocab_size"])
     out = Path(args.out)
     last_stage = ps.is_pipeline_last_stage()
-    writer = last_stage and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    writer = (
+        last_stage and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    )
 
     fb = get_forward_backward_func()
     model.eval()
