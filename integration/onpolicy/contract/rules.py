@@ -1,0 +1,310 @@
+"""The topology rules of qwen3_moe_true_on_policy_v1, checked before anything starts.
+
+Each rule is a function that raises one `ContractError` naming the rule, the values and a fix.
+`validate` runs them in order, so a later rule may assume the earlier ones hold (sizes are
+positive, the world divides, groups are powers of 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from onpolicy.contract.config import RunConfig
+from onpolicy.contract.errors import ContractError, is_power_of_2
+from onpolicy.contract.schema import QWEN3_MOE_TRUE_ON_POLICY_V1 as V1
+
+
+def training_dp(cfg: RunConfig) -> int:
+    """Data-parallel size: the world left after TP, PP and CP."""
+    t = cfg.training
+    return t.world // (t.tp * t.pp * t.cp)
+
+
+def expert_dp(cfg: RunConfig) -> int:
+    """Expert data-parallel size: the TP x CP x DP ranks of a stage, over ETP x EP."""
+    t = cfg.training
+    return t.tp * t.cp * training_dp(cfg) // (t.etp * t.ep)
+
+
+def rollout_moe_tp(cfg: RunConfig) -> int:
+    """SGLang's MoE TP: the GPUs of an engine over its EP size."""
+    return cfg.rollout.tp // cfg.rollout.ep
+
+
+def _pow2_divisors(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
+
+
+def contract_name(cfg: RunConfig) -> None:
+    if cfg.contract != V1.name:
+        raise ContractError(
+            "contract_name",
+            f"contract {cfg.contract!r} is unknown; this stack implements {V1.name!r}",
+            f"set contract = {V1.name!r}",
+        )
+
+
+def model_family(cfg: RunConfig) -> None:
+    if cfg.model.family != V1.model_family:
+        raise ContractError(
+            "model_family",
+            f"model.family is {cfg.model.family!r}; {V1.name} covers {V1.model_family!r} only",
+            f"set model.family = {V1.model_family!r}; another family needs its own contract",
+        )
+
+
+def dtype(cfg: RunConfig) -> None:
+    if cfg.model.dtype != V1.param_dtype:
+        raise ContractError(
+            "dtype",
+            f"model.dtype is {cfg.model.dtype!r}; {V1.name} fixes {V1.param_dtype!r} "
+            f"(accumulation in {V1.accum_dtype})",
+            f"set model.dtype = {V1.param_dtype!r}",
+        )
+
+
+def device(cfg: RunConfig) -> None:
+    if cfg.device not in ("cpu", "cuda"):
+        raise ContractError(
+            "device",
+            f"device is {cfg.device!r}; the collectives run on 'cpu' (gloo) or 'cuda' (NCCL)",
+            "set device = 'cpu' or 'cuda'",
+        )
+
+
+def allowed_dims(cfg: RunConfig) -> None:
+    if cfg.training.cp != 1:
+        raise ContractError(
+            "allowed_dims",
+            f"training.cp = {cfg.training.cp}; {V1.name} allows training dims "
+            f"{', '.join(V1.training_dims)} and pins context parallel to 1",
+            "set training.cp = 1 and use TP/SP or more DP for long sequences",
+        )
+    if cfg.rollout.dp_attention:
+        raise ContractError(
+            "allowed_dims",
+            f"rollout.dp_attention = true; {V1.name} keeps SGLang attention data-parallel off "
+            "(its batch split changes the attention reduction)",
+            "set rollout.dp_attention = false and add engines for throughput",
+        )
+
+
+def positive_sizes(cfg: RunConfig) -> None:
+    sizes = {
+        "training.world": cfg.training.world, "training.tp": cfg.training.tp,
+        "training.pp": cfg.training.pp, "training.ep": cfg.training.ep,
+        "training.etp": cfg.training.etp, "training.dp": max(cfg.training.dp, 1),
+        "rollout.engines": cfg.rollout.engines, "rollout.tp": cfg.rollout.tp,
+        "rollout.ep": cfg.rollout.ep, "model.num_layers": cfg.model.num_layers,
+        "model.hidden_size": cfg.model.hidden_size,
+        "model.num_attention_heads": cfg.model.num_attention_heads,
+        "model.num_kv_heads": cfg.model.num_kv_heads, "model.head_dim": cfg.model.head_dim,
+        "model.num_experts": cfg.model.num_experts, "model.top_k": cfg.model.top_k,
+        "model.moe_intermediate_size": cfg.model.moe_intermediate_size,
+        "model.vocab_size": cfg.model.vocab_size,
+    }  # fmt: skip
+    for name, v in sizes.items():
+        if v < 1:
+            raise ContractError("positive_sizes", f"{name} = {v}", f"set {name} to at least 1")
+    if cfg.model.top_k > cfg.model.num_experts:
+        raise ContractError(
+            "positive_sizes",
+            f"model.top_k = {cfg.model.top_k} exceeds model.num_experts = {cfg.model.num_experts}",
+            "set model.top_k to at most model.num_experts",
+        )
+
+
+def world_layout(cfg: RunConfig) -> None:
+    t = cfg.training
+    tpc = t.tp * t.pp * t.cp
+    if t.world % tpc:
+        raise ContractError(
+            "world_layout",
+            f"training.world = {t.world} is not a multiple of tp x pp x cp = "
+            f"{t.tp} x {t.pp} x {t.cp} = {tpc}",
+            f"make training.world a multiple of {tpc}, or shrink tp/pp",
+        )
+    if t.dp and t.dp != t.world // tpc:
+        raise ContractError(
+            "world_layout",
+            f"training.dp = {t.dp} but world / (tp x pp x cp) = {t.world} / {tpc} = "
+            f"{t.world // tpc}",
+            f"set training.dp = {t.world // tpc} or drop it (0 derives it)",
+        )
+
+
+def power_of_2_groups(cfg: RunConfig) -> None:
+    sizes = {
+        "training.tp": cfg.training.tp, "training.pp": cfg.training.pp,
+        "training.ep": cfg.training.ep, "training.etp": cfg.training.etp,
+        "training.dp": training_dp(cfg), "rollout.tp": cfg.rollout.tp,
+        "rollout.ep": cfg.rollout.ep,
+    }  # fmt: skip
+    assert set(sizes) == set(V1.power_of_2_groups)
+    for name, v in sizes.items():
+        if not is_power_of_2(v):
+            lo, hi = 1 << (v.bit_length() - 1), 1 << v.bit_length()
+            fix = f"set {name} to {lo} or {hi}"
+            if name == "training.dp":
+                t = cfg.training
+                fix = (
+                    f"set training.world to {lo * t.world // v} or {hi * t.world // v} "
+                    "(DP = world / (tp x pp x cp) must be a power of 2)"
+                )
+            raise ContractError(
+                "power_of_2_groups",
+                f"{name} = {v} is not a power of 2; the fixed pairwise tree equals the "
+                "unsharded sum only when every shard is an aligned power-of-2 subtree",
+                fix,
+            )
+
+
+def sp_required(cfg: RunConfig) -> None:
+    t = cfg.training
+    if t.tp > 1 and not t.sp:
+        raise ContractError(
+            "sp_required",
+            f"training.tp = {t.tp} with a MoE model and training.sp = false; Megatron's MoE "
+            "layers need sequence parallel when TP > 1, and the exact TP path is the SP "
+            "reduce-scatter",
+            "set training.sp = true (or training.tp = 1)",
+        )
+
+
+def ep_divides_dp(cfg: RunConfig) -> None:
+    ep, dp = cfg.training.ep, training_dp(cfg)
+    if dp % ep:
+        raise ContractError(
+            "ep_divides_dp",
+            f"training.ep = {ep} does not divide training DP = world / (tp x pp x cp) = {dp}",
+            f"set training.ep to a divisor of {dp}, or raise training.world",
+        )
+
+
+def rollout_ep_divides_tp(cfg: RunConfig) -> None:
+    r = cfg.rollout
+    if r.tp % r.ep:
+        raise ContractError(
+            "rollout_ep_divides_tp",
+            f"rollout.ep = {r.ep} does not divide the GPUs per engine rollout.tp = {r.tp}",
+            "set rollout.ep to a divisor of rollout.tp",
+        )
+
+
+def rollout_moe_tp_equals_etp(cfg: RunConfig) -> None:
+    moe_tp, etp = rollout_moe_tp(cfg), cfg.training.etp
+    if moe_tp != etp:
+        raise ContractError(
+            "rollout_moe_tp_equals_etp",
+            f"rollout MoE TP = rollout.tp / rollout.ep = {cfg.rollout.tp} / {cfg.rollout.ep} = "
+            f"{moe_tp} differs from training.etp = {etp}; the experts' down-projection K would be "
+            "cut differently on the two sides",
+            f"set rollout.ep = {cfg.rollout.tp // etp} (so rollout.tp / rollout.ep = {etp}), "
+            f"or training.etp = {moe_tp}",
+        )
+
+
+def colocated_gpus(cfg: RunConfig) -> None:
+    r, world = cfg.rollout, cfg.training.world
+    if r.colocate and r.engines * r.tp != world:
+        raise ContractError(
+            "colocated_gpus",
+            f"rollout.engines x rollout.tp = {r.engines} x {r.tp} = {r.engines * r.tp} but the "
+            f"colocated trainer has training.world = {world}",
+            f"set rollout.engines = {max(world // r.tp, 1)} for rollout.tp = {r.tp}, "
+            "or rollout.colocate = false",
+        )
+
+
+def pp_divides_layers(cfg: RunConfig) -> None:
+    n, pp = cfg.model.num_layers, cfg.training.pp
+    if n % pp:
+        raise ContractError(
+            "pp_divides_layers",
+            f"model.num_layers = {n} does not split into training.pp = {pp} equal stages",
+            f"set training.pp to one of {_pow2_divisors(n)}, or change model.num_layers",
+        )
+
+
+def _shard(rule: str, dim: str, value: int, shards: dict[str, int]) -> None:
+    for name, s in shards.items():
+        if value % s:
+            raise ContractError(
+                rule,
+                f"{dim} = {value} does not divide over {name} = {s}",
+                f"set {name} to one of {_pow2_divisors(value)} (the power-of-2 divisors of "
+                f"{value}), or change {dim}",
+            )
+
+
+def shard_heads(cfg: RunConfig) -> None:
+    shards = {"training.tp": cfg.training.tp, "rollout.tp": cfg.rollout.tp}
+    _shard("shard_heads", "model.num_attention_heads", cfg.model.num_attention_heads, shards)
+
+
+def shard_kv_heads(cfg: RunConfig) -> None:
+    kv, rtp = cfg.model.num_kv_heads, cfg.rollout.tp
+    _shard("shard_kv_heads", "model.num_kv_heads", kv, {"training.tp": cfg.training.tp})
+    if kv % rtp and rtp % kv:  # SGLang replicates KV heads when tp is a multiple of them
+        raise ContractError(
+            "shard_kv_heads",
+            f"model.num_kv_heads = {kv} and rollout.tp = {rtp}: neither divides the other, so "
+            "SGLang can neither split nor replicate the KV heads",
+            f"choose rollout.tp dividing {kv} or a multiple of it",
+        )
+
+
+def shard_experts(cfg: RunConfig) -> None:
+    shards = {"training.ep": cfg.training.ep, "rollout.ep": cfg.rollout.ep}
+    _shard("shard_experts", "model.num_experts", cfg.model.num_experts, shards)
+
+
+def shard_moe_intermediate(cfg: RunConfig) -> None:
+    shards = {"training.etp": cfg.training.etp, "rollout MoE TP": rollout_moe_tp(cfg)}
+    m = cfg.model.moe_intermediate_size
+    _shard("shard_moe_intermediate", "model.moe_intermediate_size", m, shards)
+
+
+def shard_vocab(cfg: RunConfig) -> None:
+    shards = {"training.tp": cfg.training.tp, "rollout.tp": cfg.rollout.tp}
+    _shard("shard_vocab", "model.vocab_size", cfg.model.vocab_size, shards)
+
+
+def rollout_tp_tree_exact(cfg: RunConfig) -> None:
+    """Different TP on the two sides cuts the attention output projection's K differently; the
+    results agree only where each cut keeps the tree (both equal the unsharded tree)."""
+    ttp, rtp = cfg.training.tp, cfg.rollout.tp
+    if ttp == rtp:
+        return
+    from onpolicy.kernels import K_BLOCK, row_parallel_exact
+
+    k = cfg.model.num_attention_heads * cfg.model.head_dim
+    for name, tp in (("training.tp", ttp), ("rollout.tp", rtp)):
+        if not row_parallel_exact(k, tp):
+            raise ContractError(
+                "rollout_tp_tree_exact",
+                f"rollout.tp = {rtp} differs from training.tp = {ttp}, and {name} = {tp} cuts "
+                f"the attention projection's K = heads x head_dim = {k} into shards of "
+                f"{k // tp}: not an aligned subtree of the {K_BLOCK}-wide block tree, so the "
+                "two sides' sums would differ",
+                f"set rollout.tp = training.tp = {ttp}, or use TPs where K / TP is a power of "
+                f"2 (a power-of-2 count of whole {K_BLOCK}-blocks, or a power-of-2 slice of one)",
+            )
+
+
+RULES: dict[str, Callable[[RunConfig], None]] = {
+    f.__name__: f
+    for f in (
+        contract_name, model_family, dtype, device, allowed_dims, positive_sizes, world_layout,
+        power_of_2_groups, sp_required, ep_divides_dp, rollout_ep_divides_tp,
+        rollout_moe_tp_equals_etp, colocated_gpus, pp_divides_layers, shard_heads,
+        shard_kv_heads, shard_experts, shard_moe_intermediate, shard_vocab, rollout_tp_tree_exact,
+    )
+}  # fmt: skip
+"""Every rule, in the order `validate` checks them; the key is the rule name errors carry."""
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise the first failing rule's `ContractError`; return None when the layout is valid."""
+    for rule in RULES.values():
+        rule(cfg)

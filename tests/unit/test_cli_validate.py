@@ -1,0 +1,89 @@
+"""`onpolicy validate --config FILE`: the plan for a valid config, exit 2 with the rule otherwise;
+`onpolicy upstream` still dispatches to the patch-series tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from onpolicy.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu.toml"
+PUBLISHED = REPO / "configs" / "qwen3-30b-a3b-tp2pp2ep2-sp.toml"
+
+
+def test_tiny_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--config", str(TINY)]) == 0
+    out = capsys.readouterr().out
+    for needle in [
+        "qwen3_moe_true_on_policy_v1  (valid)",
+        "training  world 4: TP2 PP1 EP2 ETP1 SP DP2 EDP2",
+        "rollout   2 engines x 2 CPU ranks per engine: TP2 EP2 MOE_TP1",
+        "training ranks",
+        "rollout ranks",
+        "megatron args  --tensor-model-parallel-size 2",
+        "--distributed-backend gloo",
+        "sglang args    Engine(tp_size=2, ep_size=2",
+        "training env   OMP_NUM_THREADS=1",
+        "rollout env    OMP_NUM_THREADS=1",
+    ]:
+        assert needle in out, f"{needle!r} not in:\n{out}"
+    rank_lines = out.split("training ranks")[1].split("rollout ranks")[0].strip().splitlines()
+    assert len(rank_lines) == 1 + 4  # header + one line per trainer rank
+
+
+def test_published_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--config", str(PUBLISHED), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["engines"], plan["gpus_per_engine"], plan["backend"]) == (4, 2, "nccl")
+    assert len(plan["training_ranks"]) == len(plan["rollout_ranks"]) == 8
+    assert plan["rollout_env"]["NCCL_ALGO"] == "Ring"
+    assert "--sequence-parallel" in plan["megatron_args"]
+
+
+def test_broken_config_exits_2_with_the_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY.read_text().replace("sp = true", "sp = false"))
+    assert main(["validate", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "[sp_required] training.tp = 2" in err and "fix: set training.sp = true" in err
+
+
+def test_unknown_key_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY.read_text().replace("[rollout]", "[rollout]\nengine = 2"))
+    assert main(["validate", "--config", str(bad)]) == 2
+    assert "unknown config key 'rollout.engine'" in capsys.readouterr().err
+
+
+def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--config", str(tmp_path / "none.toml")]) == 2
+    assert "[config_file]" in capsys.readouterr().err
+
+
+def test_usage_and_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "onpolicy validate --config FILE" in capsys.readouterr().out
+    assert main(["nope"]) == 2
+    assert "known: upstream, validate" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["upstream", "--help"])
+    assert e.value.code == 0
+    assert "usage: onpolicy upstream" in capsys.readouterr().out
+
+
+def test_command_line_exit_code(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY.read_text().replace("ep = 2\netp", "ep = 3\netp"))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "integration")}
+    cmd = [sys.executable, "-m", "onpolicy.cli", "validate", "--config", str(bad)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "[power_of_2_groups] training.ep = 3" in p.stderr
