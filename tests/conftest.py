@@ -31,7 +31,9 @@ def run_torchrun(
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "integration"), str(REPO / "tests")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO / "integration"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+        ),
         **(env or {}),
     }
     p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)

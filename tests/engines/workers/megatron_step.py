@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def params_digest(model: torch.nn.Module, expert: bool) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         if ("experts" in name) == expert:
-            h.update(name.encode() + p.detach().float().numpy().tobytes())
+            h.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -57,7 +58,7 @@ def assert_replicas_identical(model: torch.nn.Module) -> None:
 def forward_step(data_iterator, model, with_labels: bool):
     batch = next(data_iterator)
     tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+    position_ids = torch.arange(SEQ, device=tokens.device).unsqueeze(0).expand_as(tokens)
     if with_labels:
         loss = model(tokens, position_ids, None, labels=labels)
 
@@ -75,7 +76,10 @@ def forward_step(data_iterator, model, with_labels: bool):
 
 
 def run(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
     layout = MegatronLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=1, sp=args.sp)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
@@ -92,6 +96,9 @@ def run(args: argparse.Namespace) -> None:
                              torch.float32)  # fmt: skip
     model.load_state_dict(weights, strict=True)
     data = batches(hf["vocab_size"])
+    if cuda:
+        model.cuda()
+        data = [b.cuda() for b in data]
     out = Path(args.out)
     last_stage = ps.is_pipeline_last_stage()
     writer = (
@@ -106,7 +113,8 @@ def run(args: argparse.Namespace) -> None:
                     seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=True,
                     collect_non_loss_data=True)  # fmt: skip
     if writer:
-        torch.save({"tokens": torch.stack(data), "logits": torch.stack(logits)}, out / "logits.pt")
+        result = {"tokens": torch.stack(data), "logits": torch.stack(logits)}
+        torch.save({k: v.cpu() for k, v in result.items()}, out / "logits.pt")
 
     model.train()
     ddp = DistributedDataParallel(
@@ -150,4 +158,5 @@ if __name__ == "__main__":
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--distopt", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     run(ap.parse_args())

@@ -1,0 +1,13 @@
+"""GPU tests: collected everywhere, skipped with the reason shown where there is no CUDA."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; run with -m gpu on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
