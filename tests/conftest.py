@@ -45,7 +45,7 @@ def run_torchrun(
     return p.stdout
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torchrun():
     """`torchrun(script, nproc, *args)`: a fresh multi-process gloo job; returns its stdout."""
     return run_torchrun

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "collectives_worker.py"
 WORLDS = [2, 4, 8]
@@ -30,8 +29,13 @@ CHECKS = [
 _runs: dict[int, dict[str, str]] = {}
 
 
-def _results(world: int) -> dict[str, str]:
-    """Launch the worker once per world size; map check name -> 'PASS' or 'FAIL ...'."""
+@pytest.fixture(scope="module")
+def results(torchrun):
+    """`results(world)`: map check name -> 'PASS' or 'FAIL ...', one launch per world size."""
+    return lambda world: _results(torchrun, world)
+
+
+def _results(run_torchrun, world: int) -> dict[str, str]:
     if world not in _runs:
         out = run_torchrun(WORKER, world, timeout=300)
         print(f"\n--- collectives at world {world} ---")
@@ -51,13 +55,13 @@ def _expected(world: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "check"), [(w, c) for w in WORLDS for c in _expected(w)])
-def test_collective(world: int, check: str) -> None:
-    results = _results(world)
-    assert check in results, f"world {world}: the worker did not report {check}: {results}"
-    assert results[check] == "PASS", f"world {world}: {check}: {results[check]}"
+def test_collective(results, world: int, check: str) -> None:
+    got = results(world)
+    assert check in got, f"world {world}: the worker did not report {check}: {got}"
+    assert got[check] == "PASS", f"world {world}: {check}: {got[check]}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
-def test_worker_reports_every_check(world: int) -> None:
-    assert sorted(_results(world)) == sorted(_expected(world))
+def test_worker_reports_every_check(results, world: int) -> None:
+    assert sorted(results(world)) == sorted(_expected(world))

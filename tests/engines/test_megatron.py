@@ -34,10 +34,8 @@ def run_layout(torchrun, ckpt: Path, out: Path, name: str) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def world1(tiny_checkpoint, tmp_path_factory):
-    from conftest import run_torchrun
-
-    return run_layout(run_torchrun, tiny_checkpoint, tmp_path_factory.mktemp("w1"), "world1")
+def world1(torchrun, tiny_checkpoint, tmp_path_factory):
+    return run_layout(torchrun, tiny_checkpoint, tmp_path_factory.mktemp("w1"), "world1")
 
 
 def hf_logits(hf_model, tokens: torch.Tensor) -> torch.Tensor:

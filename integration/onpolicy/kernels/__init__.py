@@ -1,0 +1,208 @@
+"""Exact ops: the forward bits of a token depend only on the token, its position and its
+sequence, never on the batch, the chunking, prefill vs decode, or a power-of-2 TP split.
+
+One API; the backend is picked by the device of the first tensor argument. The CPU backend
+(`kernels/cpu/`, pure torch, invariant by construction) is the one implemented; other devices
+raise NotImplementedError naming the op. The reduction layouts in `rules` bind every backend;
+exactness is required within one backend, not across backends. docs/exactness.md has each
+op's reduction order and the test that proves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from onpolicy.kernels.cpu import activation as _cpu_activation
+from onpolicy.kernels.cpu import attention as _cpu_attention
+from onpolicy.kernels.cpu import linear as _cpu_linear
+from onpolicy.kernels.cpu import logprob as _cpu_logprob
+from onpolicy.kernels.cpu import moe as _cpu_moe
+from onpolicy.kernels.cpu import norm as _cpu_norm
+from onpolicy.kernels.cpu import rope as _cpu_rope
+from onpolicy.kernels.rules import (
+    K_BLOCK,
+    KV_BLOCK,
+    VOCAB_SEGMENTS,
+    row_parallel_exact,
+    vocab_parallel_exact,
+    vocab_segments,
+)
+from onpolicy.kernels.tree import combine_partials, pairwise_tree_sum, tree_sum
+
+_BACKENDS: dict[str, tuple[ModuleType, ...]] = {
+    "cpu": (
+        _cpu_linear, _cpu_norm, _cpu_rope, _cpu_attention, _cpu_activation, _cpu_logprob,
+        _cpu_moe,
+    ),
+}  # fmt: skip
+"""device type -> the modules implementing the ops, searched in order."""
+
+
+def _impl(op: str, t: torch.Tensor):
+    modules = _BACKENDS.get(t.device.type)
+    if modules is None:
+        raise NotImplementedError(
+            f"onpolicy.kernels.{op}: no exact backend for device {t.device.type!r} yet "
+            f"(implemented: {', '.join(_BACKENDS)}); the Triton backend will provide it"
+        )
+    for module in modules:
+        if hasattr(module, op):
+            return getattr(module, op)
+    raise NotImplementedError(f"onpolicy.kernels.{op}: not in the {t.device.type} backend")
+
+
+# --- matmul -----------------------------------------------------------------------------------
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), weight [N, K]; K in K_BLOCK blocks, pairwise tree, fp32 acc."""
+    return _impl("linear", x)(x, weight, bias)
+
+
+def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 tree over this (shard of) K only: no bias, not rounded; feed `combine_partials`."""
+    return _impl("linear_partial", x)(x, weight)
+
+
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`tp` row-parallel shards plus the tree combine, in one process."""
+    return _impl("row_parallel_linear", x)(x, weight, tp, bias)
+
+
+# --- norms, rotary, activations ---------------------------------------------------------------
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm, fp32 math; with `residual` returns (normed, x + residual)."""
+    return _impl("rms_norm", x)(x, weight, eps, residual)
+
+
+def rope_table(head_dim: int, theta: float, max_positions: int) -> torch.Tensor:
+    """fp32 [max_positions, head_dim] cos|sin table, built once per model (on CPU)."""
+    return _cpu_rope.rope_table(head_dim, theta, max_positions)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE of x [T, heads, head_dim] at `positions` [T], fp32 math."""
+    return _impl("rope", x)(x, positions, table)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32, rounded once."""
+    return _impl("silu_mul", gate)(gate, up)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of weight [V, H] at ids."""
+    return _impl("embedding", weight)(ids, weight)
+
+
+# --- attention --------------------------------------------------------------------------------
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention over packed sequences (varlen prefill)."""
+    return _impl("attention", q)(q, k, v, cu_seqlens, scale)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | Sequence[int],
+    page_tables: Sequence[torch.Tensor],
+    kv_lens: Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of new tokens over a paged KV cache (chunked prefill, decode)."""
+    return _impl("paged_attention", q)(
+        q, k_pages, v_pages, cu_seqlens_q, page_tables, kv_lens, scale
+    )
+
+
+# --- log-probs --------------------------------------------------------------------------------
+scale_logits = _cpu_logprob.scale_logits
+"""logits / temperature rounded to the logits' dtype, untouched at 1 (elementwise, any device)."""
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the last dim in the fixed segment-tree order."""
+    return _impl("log_softmax", x)(x)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """fp32 log p(tokens) under log_softmax(logits / temperature), as SGLang computes it."""
+    return _impl("token_logprobs", logits)(logits, tokens, temperature)
+
+
+def vocab_parallel_token_logprobs(
+    shards: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """`token_logprobs` from vocab-parallel logit shards; equal to the full one bit for bit."""
+    return _impl("vocab_parallel_token_logprobs", shards[0])(shards, tokens, temperature)
+
+
+# --- MoE --------------------------------------------------------------------------------------
+def moe_route(
+    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids, fp32 topk_weights): fp32 softmax, stable top-k (ties to lower id)."""
+    return _impl("route", x)(x, gate_weight, top_k, renormalize)
+
+
+def moe_expert_outputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    local_experts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """[T, k, H] per-(token, slot) SwiGLU outputs for the experts in `local_experts`."""
+    return _impl("expert_outputs", x)(x, topk_ids, w_gate, w_up, w_down, local_experts)
+
+
+def moe_merge_expert_parallel(
+    per_rank: Sequence[torch.Tensor], topk_ids: torch.Tensor, owner: torch.Tensor
+) -> torch.Tensor:
+    """Each (token, slot) output taken from the rank owning its expert (`owner[e]` = rank)."""
+    return _impl("merge_expert_parallel", topk_ids)(per_rank, topk_ids, owner)
+
+
+def moe_combine(
+    outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Weighted sum of a token's slot outputs in ascending expert-id order (fp32 tree)."""
+    return _impl("combine", outputs)(outputs, topk_ids, topk_weights)
+
+
+def moe(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+) -> torch.Tensor:
+    """The sparse MoE block: route, every expert, combine."""
+    return _impl("moe", x)(x, gate_weight, w_gate, w_up, w_down, top_k, renormalize)
+
+
+__all__ = [
+    "K_BLOCK", "KV_BLOCK", "VOCAB_SEGMENTS", "attention", "combine_partials", "embedding",
+    "linear", "linear_partial", "log_softmax", "moe", "moe_combine", "moe_expert_outputs",
+    "moe_merge_expert_parallel", "moe_route", "paged_attention", "pairwise_tree_sum",
+    "rms_norm", "rope", "rope_table", "row_parallel_exact", "row_parallel_linear",
+    "scale_logits", "silu_mul", "token_logprobs", "tree_sum", "vocab_parallel_exact",
+    "vocab_parallel_token_logprobs", "vocab_segments",
+]  # fmt: skip

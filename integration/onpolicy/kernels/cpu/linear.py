@@ -1,0 +1,91 @@
+"""Exact linear (CPU): rows independent of M, K in fixed 128-wide blocks, pairwise-tree order.
+
+The reduction is spelled out element by element, never handed to BLAS:
+1. products x[m, k] * w[n, k] in fp32 (exact for bf16 inputs: 8+8 mantissa bits fit in 24);
+2. within each K-block, the products are summed by `pairwise_tree_sum` over k;
+3. the block sums are summed by `pairwise_tree_sum` over the block index.
+
+Every step is elementwise fp32 arithmetic in a fixed order, so an output element depends only
+on its own row of x and row of w: not on M, on the row's position, or on how rows are chunked.
+
+Row-parallel: a shard of K made of an aligned power-of-2 number of blocks is a subtree of the
+block tree, so the shard's partial (`linear_partial`), combined across a power-of-2 number of
+shards by the same tree (`combine_partials`), is the unsharded sum bit for bit.
+`rules.row_parallel_exact(k, tp)` says when that holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onpolicy.kernels.rules import K_BLOCK
+from onpolicy.kernels.tree import combine_partials, tree_sum
+
+_CHUNK_ELEMS = 1 << 22
+"""Products materialised at once (16 MiB of fp32); rows are chunked to stay under it."""
+
+
+def _tree_matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T in fp32 by the fixed block tree; M may be anything, including 0."""
+    m, k = x.shape
+    n = w.shape[0]
+    xf, wf = x.float(), w.float()
+    if k == 0 or m == 0:
+        return xf.new_zeros(m, n)
+    rows = max(1, _CHUNK_ELEMS // max(1, k * n))
+    # Products laid out [K, rows, N]: the reduction index leads, so a tree level is one big add.
+    outs = [tree_sum(xf[r : r + rows].T[:, :, None] * wf.T[:, None, :], dim=0, block=K_BLOCK)
+            for r in range(0, m, rows)]  # fmt: skip
+    return torch.cat(outs)
+
+
+class _LinearPartial(torch.autograd.Function):
+    """Exact fp32 forward; the native matmul gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        flat = x.reshape(-1, x.shape[-1])
+        return _tree_matmul_fp32(flat, weight).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ weight.float()).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = (g.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return gx, gw
+
+
+def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ weight.T over this weight's K only: the block tree, no bias, not rounded.
+
+    weight is [N, K] (a row-parallel shard holds a K-slice). The result feeds
+    `combine_partials` (or a tree all-reduce over ranks, then the same bias-and-cast).
+    """
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear: x has K={x.shape[-1]}, weight [N, K] has K={weight.shape[-1]}")
+    return _LinearPartial.apply(x, weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with weight [N, K]: the unsharded case of the row-parallel path."""
+    return combine_partials([linear_partial(x, weight)], x.dtype, bias)
+
+
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The row-parallel result at `tp` shards, in one process: what `tp` ranks plus the tree
+    all-reduce compute. Equals `linear` when `row_parallel_exact(K, tp)`; otherwise it is the
+    bits every engine cut at the same `tp` agrees on."""
+    k = x.shape[-1]
+    if k % tp:
+        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
+    s = k // tp
+    parts = [linear_partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s])
+             for i in range(tp)]  # fmt: skip
+    return combine_partials(parts, x.dtype, bias)

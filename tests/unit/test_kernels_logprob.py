@@ -1,0 +1,114 @@
+"""log_softmax and token log-probs: row (batch) invariance, vocab-parallel TP 1/2/4/8 equal to
+the full vocab bit for bit, SGLang's temperature rule, backward vs autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onpolicy import kernels as K
+
+DTYPES = [torch.bfloat16, torch.float32]
+PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
+
+
+def wide(*shape: int, seed: int, dtype=torch.float32, spread: int = 4) -> torch.Tensor:
+    """Normal mantissas times 2^e, e uniform in [-spread, spread): reordering a sum shows."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(-spread, spread, shape, generator=g).float()
+    return (torch.randn(*shape, generator=g) * torch.exp2(e)).to(dtype)
+
+
+@PROPERTY
+@given(
+    m=st.integers(1, 20),
+    vocab=st.sampled_from([8, 1000, 1024, 4096, 3000]),
+    temperature=st.sampled_from([1.0, 0.7, 1.3]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_are_independent(m, vocab, temperature, dtype, seed):
+    x = wide(m, vocab, seed=seed, dtype=dtype)
+    tok = torch.randint(0, vocab, (m,), generator=torch.Generator().manual_seed(seed))
+    lp = K.token_logprobs(x, tok, temperature)
+    for i in range(m):
+        assert torch.equal(
+            K.token_logprobs(x[i : i + 1], tok[i : i + 1], temperature), lp[i : i + 1]
+        )
+    assert torch.equal(K.token_logprobs(x.flip(0), tok.flip(0), temperature), lp.flip(0))
+
+
+@PROPERTY
+@given(
+    vocab=st.sampled_from([1000, 1024, 151936 // 16, 2048 + 8]),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    temperature=st.sampled_from([1.0, 0.6]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_vocab_parallel_equals_full_vocab(vocab, tp, temperature, dtype, seed):
+    assert K.vocab_parallel_exact(vocab, tp)
+    x = wide(5, vocab, seed=seed, dtype=dtype)
+    tok = torch.randint(0, vocab, (5,), generator=torch.Generator().manual_seed(seed))
+    full = K.token_logprobs(x, tok, temperature)
+    par = K.vocab_parallel_token_logprobs(list(x.chunk(tp, dim=-1)), tok, temperature)
+    assert torch.equal(par, full), f"{(par != full).sum()} differ, max {(par - full).abs().max()}"
+
+
+def test_vocab_parallel_rule():
+    assert K.vocab_segments(151936) == 8  # Qwen3: 2^7 * 1187
+    assert all(K.vocab_parallel_exact(151936, t) for t in (1, 2, 4, 8))
+    assert K.vocab_segments(1000) == 8
+    assert K.vocab_segments(1002) == 2
+    assert not K.vocab_parallel_exact(1002, 4)
+    with pytest.raises(ValueError, match="whole segments"):
+        K.vocab_parallel_token_logprobs(
+            list(torch.zeros(2, 1002).chunk(3, -1)), torch.tensor([0, 1])
+        )
+
+
+def test_negative_control_naive_vocab_parallel_logsumexp_differs():
+    """Combining per-shard logsumexps (what a vocab-parallel cross-entropy usually does) is a
+    different sum from the full row's: the bits move."""
+    x = wide(64, 4096, seed=3)
+    tok = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(3))
+    full = torch.log_softmax(x, -1).gather(-1, tok[:, None])[:, 0]
+    lse = torch.logsumexp(torch.stack([torch.logsumexp(s, -1) for s in x.chunk(8, -1)]), 0)
+    naive = x.gather(-1, tok[:, None])[:, 0] - lse
+    assert not torch.equal(naive, full)
+    assert torch.equal(K.vocab_parallel_token_logprobs(list(x.chunk(8, -1)), tok),
+                       K.token_logprobs(x, tok))  # fmt: skip
+
+
+def test_negative_control_torch_log_softmax_happens_to_be_row_invariant():
+    """torch.log_softmax reduces each row with one CPU kernel whatever the batch; it holds here.
+    The exact op does not rely on that (explicit segment tree)."""
+    x = wide(32, 1000, seed=4)
+    full = torch.log_softmax(x, -1)
+    assert torch.equal(full, torch.cat([torch.log_softmax(x[i : i + 1], -1) for i in range(32)]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_temperature_rule_and_accuracy(dtype):
+    """logits / T rounded to the logits' dtype (not at T = 1), then the fp32 log-softmax."""
+    x = wide(6, 1000, seed=5, dtype=dtype)
+    tok = torch.arange(6) * 100
+    scaled = (x.float() / 0.7).to(dtype).float()
+    ref = torch.log_softmax(scaled, -1).gather(-1, tok[:, None])[:, 0]
+    torch.testing.assert_close(K.token_logprobs(x, tok, 0.7), ref, rtol=1e-6, atol=1e-5)
+    assert torch.equal(
+        K.token_logprobs(x, tok, 1.0), K.log_softmax(x).gather(-1, tok[:, None])[:, 0]
+    )
+    assert K.token_logprobs(x, tok).dtype == torch.float32
+    with pytest.raises(ValueError, match="temperature"):
+        K.token_logprobs(x, tok, 0.0)
+
+
+def test_backward_matches_autograd():
+    x = wide(4, 1000, seed=6).requires_grad_()
+    tok = torch.tensor([1, 500, 999, 0])
+    K.token_logprobs(x, tok, 0.8).sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    torch.log_softmax(xr / 0.8, -1).gather(-1, tok[:, None]).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
