@@ -7,6 +7,7 @@ nox -s build                 install torch CPU, patched megatron-core, patched s
 nox -s build -- --gpu        the same with the CUDA dependency set (GPU hosts)
 nox -s patches               apply both patch series into build/upstream/ and check them
 nox -s lint                  pre-commit: ruff, ruff-format, patch check
+nox -s bench                 benchmarks (collective bytes per rank), recorded in docs/benchmarks.md
 nox -s e2e                   the GRPO loop (not built yet; see README)
 """
 
@@ -117,6 +118,16 @@ def lint(session: nox.Session) -> None:
     """pre-commit: ruff, ruff-format and the patch-series check."""
     session.install("pre-commit")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
+
+
+@nox.session(python="3.11", default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not timed tests): bytes per rank of the exact collectives vs ring/reference."""
+    session.install(TORCH_CPU)
+    session.install("-c", str(TORCH_CONSTRAINT), "numpy")
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "onpolicy.bench.comm_bytes", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 @nox.session(python="3.11", default=False)
