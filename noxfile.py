@@ -39,7 +39,7 @@ TEST_REQS = [
 
 def _tool(session: nox.Session, *args: str, silent: bool = False) -> str:
     """`python -m <args>` with integration/ importable (the patch tool needs nothing else)."""
-    python = "python" if session.virtualenv.location else sys.executable
+    python = "python" if getattr(session.virtualenv, "location", None) else sys.executable
     out = session.run(python, "-m", *args, env={"PYTHONPATH": str(ROOT / "integration")},
                       silent=silent)  # fmt: skip
     return (out or "").strip().splitlines()[-1] if silent else ""
