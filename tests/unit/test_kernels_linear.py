@@ -10,19 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from adversarial import DTYPES, PROPERTY, wide
+from hypothesis import given
 from hypothesis import strategies as st
 from onpolicy import kernels as K
-
-DTYPES = [torch.bfloat16, torch.float32]
-PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
-
-
-def wide(*shape: int, seed: int, dtype=torch.float32, spread: int = 12) -> torch.Tensor:
-    """Normal mantissas times 2^e, e uniform in [-spread, spread): reordering a sum shows."""
-    g = torch.Generator().manual_seed(seed)
-    e = torch.randint(-spread, spread, shape, generator=g).float()
-    return (torch.randn(*shape, generator=g) * torch.exp2(e)).to(dtype)
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> str:
