@@ -205,3 +205,28 @@ def test_cli_status_and_module_entry(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert "demo: demo 1.0 [sdist] 2 patches, applied (2 commits)" in p.stdout
+
+
+def test_rebuild_refuses_to_drop_unexported_work(tmp_path):
+    root = with_two_patches(tmp_path)
+    work = tree.apply(root, "demo", force=True)
+    folder = root / "patches/demo"
+    # The series changes under the tree (a pull), while the tree holds local work.
+    p = folder / "feat_greet_the_world.patch"
+    p.write_text(p.read_text().replace("Why: a test change.", "Why: a changed reason."))
+    (work / "a.txt").write_text("local edit\n")
+    with pytest.raises(UpstreamError, match=r"uncommitted changes in a.txt.*--force"):
+        tree.apply(root, "demo")
+    assert (work / "a.txt").read_text() == "local edit\n"  # nothing was lost
+    tree.git(work, "commit", "-q", "-a", "-m", "feat: Local work\n\nWhy: x\n")
+    with pytest.raises(UpstreamError, match="commits made after apply that are not exported"):
+        tree.apply(root, "demo")
+    tree.apply(root, "demo", force=True)  # the explicit discard
+    assert "local edit" not in (work / "a.txt").read_text()
+
+
+def test_rebuild_after_export_needs_no_force(tmp_path):
+    root = with_two_patches(tmp_path)  # committed in the tree, then exported
+    work = tree.apply(root, "demo")
+    log = tree.git(work, "log", "--format=%s").stdout.splitlines()
+    assert log[:2] == ["feat: Greet the world", "fix: Change line twenty"]

@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(cmd, help=text)
         p.add_argument("names", nargs="*", default=list(NAMES), help="series (default: all)")
         if cmd == "apply":
-            p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+            p.add_argument(
+                "--force", action="store_true", help="rebuild, discarding any unexported work"
+            )
     p = sub.add_parser("rebase", help="3-way apply the series onto another pinned version")
     p.add_argument("name", help="series name, e.g. megatron-lm or sglang")
     p.add_argument("version")

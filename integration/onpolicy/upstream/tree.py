@@ -91,8 +91,17 @@ def apply(root: Path, name: str, *, force: bool = False) -> Path:
     dest = root / "build" / "upstream" / name
     key = series_key(pin, series)
     marker = dest / MARKER
-    if not force and marker.is_file() and marker.read_text().strip() == key:
+    recorded = marker.read_text().split() if marker.is_file() else []
+    if not force and recorded[:1] == [key]:
         return dest
+    if not force and (dest / ".git").is_dir():
+        unsaved = _unsaved_work(dest, series, recorded[1] if len(recorded) > 1 else None)
+        if unsaved:
+            raise UpstreamError(
+                f"refusing to rebuild {dest}: it holds work the series does not have "
+                f"({'; '.join(unsaved)}). Commit and `export {name}` it, or rerun apply "
+                "with --force to discard it"
+            )
     archive = fetch(root, pin)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{name}."))
@@ -111,12 +120,29 @@ def apply(root: Path, name: str, *, force: bool = False) -> Path:
         if dest.exists():
             old = tmp / "old"
             os.replace(dest, old)
+        head = git(work, "rev-parse", "HEAD").stdout.strip()
         os.replace(work, dest)
-        (dest / f"{MARKER}.tmp").write_text(key + "\n")
+        (dest / f"{MARKER}.tmp").write_text(f"{key}\n{head}\n")
         os.replace(dest / f"{MARKER}.tmp", marker)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _unsaved_work(tree: Path, series: Series, applied_head: str | None) -> list[str]:
+    """What a rebuild of `tree` would lose: uncommitted edits, commits not in the series."""
+    lost = []
+    dirty = [line[3:] for line in git(tree, "status", "--porcelain").stdout.splitlines()]
+    if dirty:
+        lost.append(
+            f"uncommitted changes in {', '.join(dirty[:5])}" + (" ..." if len(dirty) > 5 else "")
+        )
+    head = git(tree, "rev-parse", "HEAD").stdout.strip()
+    if applied_head is not None and head != applied_head:
+        on_disk = {p.name: p.read_bytes() for p in series.patches if p.is_file()}
+        if render(tree) != on_disk:
+            lost.append("commits made after apply that are not exported")
+    return lost
 
 
 def render(tree: Path) -> dict[str, bytes]:
@@ -240,7 +266,7 @@ def status(root: Path, name: str) -> str:
     marker = tree / MARKER
     if not marker.is_file():
         state = "not applied"
-    elif marker.read_text().strip() == series_key(pin, series):
+    elif marker.read_text().split()[:1] == [series_key(pin, series)]:
         dirty = git(tree, "status", "--porcelain").stdout.strip()
         ahead = git(tree, "rev-list", "--count", f"{BASE_TAG}..HEAD").stdout.strip()
         state = f"applied ({ahead} commits{', uncommitted edits' if dirty else ''})"
