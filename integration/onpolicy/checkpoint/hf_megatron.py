@@ -81,6 +81,53 @@ def qkv_weight(hf: dict, sd: dict[str, torch.Tensor], prefix: str) -> torch.Tens
     return torch.cat([q, k, v], dim=1).reshape(-1, h)
 
 
+def expected_hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF Qwen3-MoE checkpoint with this config must hold, with its shape."""
+    h, d, e, i = hf["hidden_size"], hf["head_dim"], hf["num_experts"], hf["moe_intermediate_size"]
+    q, kv, v = hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d, hf["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for n in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.self_attn.q_proj.weight": (q, h),
+            f"{p}.self_attn.k_proj.weight": (kv, h),
+            f"{p}.self_attn.v_proj.weight": (kv, h),
+            f"{p}.self_attn.o_proj.weight": (h, q),
+            f"{p}.self_attn.q_norm.weight": (d,),
+            f"{p}.self_attn.k_norm.weight": (d,),
+            f"{p}.mlp.gate.weight": (e, h),
+        }
+        for x in range(e):
+            shapes |= {
+                f"{p}.mlp.experts.{x}.gate_proj.weight": (i, h),
+                f"{p}.mlp.experts.{x}.up_proj.weight": (i, h),
+                f"{p}.mlp.experts.{x}.down_proj.weight": (h, i),
+            }
+    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    return shapes
+
+
+def check_hf_weights(hf: dict, sd: dict[str, torch.Tensor]) -> None:
+    """Refuse weights that do not match the config, naming the tensors, before any slicing."""
+    want = expected_hf_shapes(hf)
+    missing = [k for k in want if k not in sd]
+    wrong = [f"{k} {tuple(sd[k].shape)} (config wants {s})"
+             for k, s in want.items() if k in sd and tuple(sd[k].shape) != s]  # fmt: skip
+    if missing or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing, e.g. {', '.join(missing[:3])}")
+        if wrong:
+            parts.append(f"{len(wrong)} with the wrong shape, e.g. {'; '.join(wrong[:3])}")
+        raise ValueError(
+            "HF checkpoint does not match its config.json (a Qwen3-MoE with "
+            f"{hf['num_hidden_layers']} layers, {hf['num_experts']} experts, hidden "
+            f"{hf['hidden_size']}): tensors {' and '.join(parts)}"
+        )
+
+
 def hf_to_megatron(
     hf: dict, sd: dict[str, torch.Tensor], rank: RankCoords, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -92,6 +139,7 @@ def hf_to_megatron(
             f"{n_experts} experts over EP={rank.ep}"
         )
     per_stage, per_ep = n_layers // rank.pp, n_experts // rank.ep
+    check_hf_weights(hf, sd)
     tp = lambda t, dim, what: _chunk(t, rank.tp, rank.tp_rank, dim, what)  # noqa: E731
     etp = lambda t, dim, what: _chunk(t, rank.etp, rank.etp_rank, dim, what)  # noqa: E731
     out: dict[str, torch.Tensor] = {}
