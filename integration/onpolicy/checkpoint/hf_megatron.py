@@ -10,9 +10,11 @@ chunked separately (stride 2) so that every rank holds [gate_r; up_r].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from onpolicy.models.hf_layout import check_hf_weights
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -52,94 +54,36 @@ class RankCoords:
         )
 
 
-def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in an HF checkpoint folder."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(f))
-    return sd
-
-
 def _chunk(t: torch.Tensor, n: int, i: int, dim: int, what: str) -> torch.Tensor:
     if t.shape[dim] % n:
         raise ValueError(f"{what}: dim {dim} of size {t.shape[dim]} does not split into {n} shards")
     return t.chunk(n, dim=dim)[i].contiguous()
 
 
-def qkv_weight(hf: dict, sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+def qkv_weight(cfg: Qwen3MoeConfig, sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """linear_qkv rows per KV group g: [q heads of g | k_g | v_g]."""
-    groups, d = hf["num_key_value_heads"], hf["head_dim"]
-    h = hf["hidden_size"]
+    groups, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     q = sd[f"{prefix}.q_proj.weight"].view(groups, -1, d, h)
     k = sd[f"{prefix}.k_proj.weight"].view(groups, 1, d, h)
     v = sd[f"{prefix}.v_proj.weight"].view(groups, 1, d, h)
     return torch.cat([q, k, v], dim=1).reshape(-1, h)
 
 
-def expected_hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF Qwen3-MoE checkpoint with this config must hold, with its shape."""
-    h, d, e, i = hf["hidden_size"], hf["head_dim"], hf["num_experts"], hf["moe_intermediate_size"]
-    q, kv, v = hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d, hf["vocab_size"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for n in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{n}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": (h,),
-            f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.self_attn.q_proj.weight": (q, h),
-            f"{p}.self_attn.k_proj.weight": (kv, h),
-            f"{p}.self_attn.v_proj.weight": (kv, h),
-            f"{p}.self_attn.o_proj.weight": (h, q),
-            f"{p}.self_attn.q_norm.weight": (d,),
-            f"{p}.self_attn.k_norm.weight": (d,),
-            f"{p}.mlp.gate.weight": (e, h),
-        }
-        for x in range(e):
-            shapes |= {
-                f"{p}.mlp.experts.{x}.gate_proj.weight": (i, h),
-                f"{p}.mlp.experts.{x}.up_proj.weight": (i, h),
-                f"{p}.mlp.experts.{x}.down_proj.weight": (h, i),
-            }
-    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    return shapes
-
-
-def check_hf_weights(hf: dict, sd: dict[str, torch.Tensor]) -> None:
-    """Refuse weights that do not match the config, naming the tensors, before any slicing."""
-    want = expected_hf_shapes(hf)
-    missing = [k for k in want if k not in sd]
-    wrong = [f"{k} {tuple(sd[k].shape)} (config wants {s})"
-             for k, s in want.items() if k in sd and tuple(sd[k].shape) != s]  # fmt: skip
-    if missing or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing, e.g. {', '.join(missing[:3])}")
-        if wrong:
-            parts.append(f"{len(wrong)} with the wrong shape, e.g. {'; '.join(wrong[:3])}")
-        raise ValueError(
-            "HF checkpoint does not match its config.json (a Qwen3-MoE with "
-            f"{hf['num_hidden_layers']} layers, {hf['num_experts']} experts, hidden "
-            f"{hf['hidden_size']}): tensors {' and '.join(parts)}"
-        )
-
-
 def hf_to_megatron(
-    hf: dict, sd: dict[str, torch.Tensor], rank: RankCoords, dtype: torch.dtype
+    cfg: Qwen3MoeConfig, sd: dict[str, torch.Tensor], rank: RankCoords, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state dict from HF config + weights."""
-    n_layers, n_experts = hf["num_hidden_layers"], hf["num_experts"]
+    n_layers, n_experts = cfg.num_hidden_layers, cfg.num_experts
     if n_layers % rank.pp or n_experts % rank.ep:
         raise ValueError(
             f"layout does not divide the model: {n_layers} layers over PP={rank.pp}, "
             f"{n_experts} experts over EP={rank.ep}"
         )
+    if cfg.tie_word_embeddings:
+        raise ValueError("HF checkpoint ties lm_head to the embedding; Qwen3-MoE does not, and "
+                         "this loader maps them as separate tensors")  # fmt: skip
     per_stage, per_ep = n_layers // rank.pp, n_experts // rank.ep
-    check_hf_weights(hf, sd)
+    check_hf_weights(cfg, sd)
     tp = lambda t, dim, what: _chunk(t, rank.tp, rank.tp_rank, dim, what)  # noqa: E731
     etp = lambda t, dim, what: _chunk(t, rank.etp, rank.etp_rank, dim, what)  # noqa: E731
     out: dict[str, torch.Tensor] = {}
@@ -150,7 +94,7 @@ def hf_to_megatron(
         src, dst = f"model.layers.{g}", f"decoder.layers.{local}"
         attn = f"{src}.self_attn"
         out[f"{dst}.input_layernorm.weight"] = sd[f"{src}.input_layernorm.weight"]
-        out[f"{dst}.self_attention.linear_qkv.weight"] = tp(qkv_weight(hf, sd, attn), 0, "qkv")
+        out[f"{dst}.self_attention.linear_qkv.weight"] = tp(qkv_weight(cfg, sd, attn), 0, "qkv")
         out[f"{dst}.self_attention.linear_proj.weight"] = tp(sd[f"{attn}.o_proj.weight"], 1, "o")
         out[f"{dst}.self_attention.q_layernorm.weight"] = sd[f"{attn}.q_norm.weight"]
         out[f"{dst}.self_attention.k_layernorm.weight"] = sd[f"{attn}.k_norm.weight"]

@@ -17,12 +17,12 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from onpolicy import kernels as K
+from onpolicy.models.hf_layout import load_hf_state_dict
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -114,17 +114,8 @@ class Qwen3MoeReference(nn.Module):
         cls, path: str | os.PathLike, dtype: torch.dtype | None = None
     ) -> Qwen3MoeReference:
         """Load an HF checkpoint folder (config.json + *.safetensors, hub tensor names)."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
         model = cls(Qwen3MoeConfig.from_hf(path), dtype)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        hf: dict[str, torch.Tensor] = {}
-        for f in files:
-            hf.update(load_file(f))
-        model.load_state_dict(model._from_hf_names(hf))
+        model.load_state_dict(model._from_hf_names(load_hf_state_dict(path)))
         return model
 
     def _from_hf_names(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

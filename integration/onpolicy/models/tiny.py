@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from onpolicy.models.hf_layout import hf_tensor_shapes
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+
 DONE = ".tiny-checkpoint-complete"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -118,38 +121,18 @@ class TinyConfig:
 
 
 def random_state_dict(cfg: TinyConfig, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named weights drawn from one seeded generator, in a fixed order."""
+    """HF-named weights drawn from one seeded generator, in the layout's fixed order."""
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg.dtype)
 
-    def mat(*shape: int) -> torch.Tensor:
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        if len(shape) == 1:
+            # Norm weights, not all ones, so a wrongly mapped norm shows up in the logits.
+            return (1.0 + 0.1 * torch.randn(*shape, generator=g)).to(dtype)
         return (torch.randn(*shape, generator=g) * cfg.init_std).to(dtype)
 
-    def norm(n: int) -> torch.Tensor:
-        # Not all ones, so a wrongly mapped norm weight shows up in the logits.
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
-
-    h, d = cfg.hidden_size, cfg.head_dim
-    sd = {"model.embed_tokens.weight": mat(cfg.vocab_size, h)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        sd[f"{p}.input_layernorm.weight"] = norm(h)
-        sd[f"{p}.self_attn.q_proj.weight"] = mat(cfg.num_attention_heads * d, h)
-        sd[f"{p}.self_attn.k_proj.weight"] = mat(cfg.num_key_value_heads * d, h)
-        sd[f"{p}.self_attn.v_proj.weight"] = mat(cfg.num_key_value_heads * d, h)
-        sd[f"{p}.self_attn.o_proj.weight"] = mat(h, cfg.num_attention_heads * d)
-        sd[f"{p}.self_attn.q_norm.weight"] = norm(d)
-        sd[f"{p}.self_attn.k_norm.weight"] = norm(d)
-        sd[f"{p}.post_attention_layernorm.weight"] = norm(h)
-        sd[f"{p}.mlp.gate.weight"] = mat(cfg.num_experts, h)
-        for e in range(cfg.num_experts):
-            q = f"{p}.mlp.experts.{e}"
-            sd[f"{q}.gate_proj.weight"] = mat(cfg.moe_intermediate_size, h)
-            sd[f"{q}.up_proj.weight"] = mat(cfg.moe_intermediate_size, h)
-            sd[f"{q}.down_proj.weight"] = mat(h, cfg.moe_intermediate_size)
-    sd["model.norm.weight"] = norm(h)
-    sd["lm_head.weight"] = mat(cfg.vocab_size, h)
-    return sd
+    layout = hf_tensor_shapes(Qwen3MoeConfig.from_hf(cfg.hf_config()))
+    return {name: draw(shape) for name, shape in layout.items()}
 
 
 def _corpus(seed: int) -> list[str]:

@@ -7,11 +7,11 @@ whatever `parallel_state` was initialised with; this module only reads it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,49 +30,37 @@ class MegatronLayout:
     """Sequence parallel: activations outside attention/MLP are sharded over TP."""
 
 
-def read_hf_config(path: str | Path) -> dict:
-    """config.json of an HF Qwen3-MoE checkpoint folder, checked for the fields we map."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    if cfg.get("model_type") != "qwen3_moe":
-        raise ValueError(
-            f"{path}: model_type is {cfg.get('model_type')!r}; only qwen3_moe is supported"
-        )
-    return cfg
-
-
-def rope_theta(hf: dict) -> float:
-    return float(hf.get("rope_theta") or hf.get("rope_parameters", {}).get("rope_theta"))
-
-
-def transformer_config(hf: dict, layout: MegatronLayout, dtype: torch.dtype = torch.float32):
+def transformer_config(
+    cfg: Qwen3MoeConfig, layout: MegatronLayout, dtype: torch.dtype = torch.float32
+):
     """The TransformerConfig that reproduces HF Qwen3-MoE math with the local spec."""
     import torch.nn.functional as F
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf["num_key_value_heads"],
-        kv_channels=hf["head_dim"],
-        ffn_hidden_size=hf["intermediate_size"],
-        moe_ffn_hidden_size=hf["moe_intermediate_size"],
-        num_moe_experts=hf["num_experts"],
-        moe_router_topk=hf["num_experts_per_tok"],
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        # Every layer is MoE (Qwen3MoeConfig refuses dense layers), so no dense MLP is built.
+        ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.num_experts_per_tok,
         # Top-k on logits then softmax over the k equals Qwen3's softmax-topk-renormalise.
-        moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         normalization="RMSNorm",
-        layernorm_epsilon=hf["rms_norm_eps"],
+        layernorm_epsilon=cfg.rms_norm_eps,
         qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=hf.get("attention_bias", False),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -95,15 +83,17 @@ def transformer_config(hf: dict, layout: MegatronLayout, dtype: torch.dtype = to
     )
 
 
-def build_gpt_model(hf: dict, layout: MegatronLayout, dtype: torch.dtype = torch.float32):
+def build_gpt_model(
+    cfg: Qwen3MoeConfig, layout: MegatronLayout, dtype: torch.dtype = torch.float32
+):
     """GPTModel for this rank's pipeline stage, with the local layer spec."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(hf, layout, dtype)
+    config = transformer_config(cfg, layout, dtype)
     spec = get_gpt_layer_local_spec(
-        num_experts=hf["num_experts"],
+        num_experts=cfg.num_experts,
         moe_grouped_gemm=False,
         qk_layernorm=True,
         normalization="RMSNorm",
@@ -111,11 +101,11 @@ def build_gpt_model(hf: dict, layout: MegatronLayout, dtype: torch.dtype = torch
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=hf["vocab_size"],
-        max_sequence_length=hf["max_position_embeddings"],
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=rope_theta(hf),
+        rotary_base=cfg.rope_theta,
     )

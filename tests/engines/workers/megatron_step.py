@@ -23,8 +23,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from onpolicy.checkpoint.hf_megatron import RankCoords, hf_to_megatron, load_hf_state_dict
-from onpolicy.train.megatron_model import MegatronLayout, build_gpt_model, read_hf_config
+from onpolicy.checkpoint.hf_megatron import RankCoords, hf_to_megatron
+from onpolicy.models.hf_layout import load_hf_state_dict
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.megatron_model import MegatronLayout, build_gpt_model
 
 MICRO_BATCHES, MICRO_BATCH, SEQ = 2, 2, 16
 
@@ -88,14 +90,14 @@ def run(args: argparse.Namespace) -> None:
         expert_tensor_parallel_size=1,
     )
     model_parallel_cuda_manual_seed(1234)
-    hf = read_hf_config(args.ckpt)
-    model = build_gpt_model(hf, layout)
+    cfg = Qwen3MoeConfig.from_hf(args.ckpt)
+    model = build_gpt_model(cfg, layout)
     assert_replicas_identical(model)
 
-    weights = hf_to_megatron(hf, load_hf_state_dict(args.ckpt), RankCoords.from_parallel_state(),
+    weights = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), RankCoords.from_parallel_state(),
                              torch.float32)  # fmt: skip
     model.load_state_dict(weights, strict=True)
-    data = batches(hf["vocab_size"])
+    data = batches(cfg.vocab_size)
     if cuda:
         model.cuda()
         data = [b.cuda() for b in data]
