@@ -23,7 +23,7 @@ from pathlib import Path
 
 from onpolicy.upstream.cli import find_root
 from onpolicy.upstream.errors import UpstreamError
-from onpolicy.upstream.pins import load_pin
+from onpolicy.upstream.pins import Pin, load_pin
 from onpolicy.upstream.tree import MARKER, git
 
 
@@ -37,7 +37,7 @@ def installable(root: Path, name: str) -> Path:
     tree = root / "build" / "upstream" / name
     if not (tree / MARKER).is_file():
         raise UpstreamError(f"{tree} is not an applied tree; run `onpolicy upstream apply {name}`")
-    return repack(root, name, tree) if pin.file.endswith(".whl") else source_copy(root, name, tree)
+    return repack(root, pin, tree) if pin.file.endswith(".whl") else source_copy(root, name, tree)
 
 
 def source_copy(root: Path, name: str, tree: Path) -> Path:
@@ -58,8 +58,7 @@ def source_copy(root: Path, name: str, tree: Path) -> Path:
     return dest
 
 
-def repack(root: Path, name: str, tree: Path) -> Path:
-    pin = load_pin(root, name)
+def repack(root: Path, pin: Pin, tree: Path) -> Path:
     dist_info = [d for d in tree.glob("*.dist-info") if d.is_dir()]
     if len(dist_info) != 1:
         raise UpstreamError(f"{tree}: expected one *.dist-info folder, got {len(dist_info)}")
