@@ -22,7 +22,7 @@ def _free_port() -> int:
 def run_torchrun(
     script: Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> str:
-    """Run `script` under torchrun with `nproc` gloo ranks; return stdout, fail with the logs."""
+    """Run `script` under torchrun with `nproc` local ranks; return stdout, fail with the logs."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
@@ -47,7 +47,7 @@ def run_torchrun(
 
 @pytest.fixture(scope="session")
 def torchrun():
-    """`torchrun(script, nproc, *args)`: a fresh multi-process gloo job; returns its stdout."""
+    """`torchrun(script, nproc, *args)`: a fresh multi-process job; returns its stdout."""
     return run_torchrun
 
 

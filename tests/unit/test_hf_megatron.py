@@ -15,9 +15,8 @@ from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "tiny", seed=3)
-    return Qwen3MoeConfig.from_hf(path), load_hf_state_dict(path)
+def tiny(tiny_checkpoint):
+    return Qwen3MoeConfig.from_hf(tiny_checkpoint), load_hf_state_dict(tiny_checkpoint)
 
 
 def test_missing_and_misshaped_tensors_are_named(tiny):
