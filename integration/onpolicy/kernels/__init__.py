@@ -1,16 +1,21 @@
 """Exact ops: the forward bits of a token depend only on the token, its position and its
 sequence, never on the batch, the chunking, prefill vs decode, or a power-of-2 TP split.
 
-One API; the backend is picked by the device of the first tensor argument. The CPU backend
-(`kernels/cpu/`, pure torch, invariant by construction) is the one implemented; other devices
-raise NotImplementedError naming the op. The reduction layouts in `rules` bind every backend;
-exactness is required within one backend, not across backends. docs/exactness.md has each
-op's reduction order and the test that proves it.
+One API; the backend is picked by the device of the first tensor argument: `kernels/cpu/`
+(pure torch, every sum spelled out) for CPU tensors, `kernels/triton/` (Triton kernels, imported
+on first use) for CUDA tensors; other devices raise NotImplementedError naming the op. The
+reduction layouts in `rules` bind every backend; exactness is required within one backend, not
+across backends. docs/exactness.md has each op's reduction order and the test that proves it.
+
+`native_ops()` swaps in the plain torch ops (cuBLAS, SDPA, torch reductions) on any device: the
+baseline that benchmarks and negative controls compare against, never exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import importlib
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 import torch
@@ -40,18 +45,42 @@ _BACKENDS: dict[str, tuple[ModuleType, ...]] = {
 }  # fmt: skip
 """device type -> the modules implementing the ops, searched in order."""
 
+_LAZY = {"cuda": "onpolicy.kernels.triton.ops"}
+"""Backends imported on first use (Triton is only needed where there is a GPU)."""
+
+_native: list[ModuleType] = []
+"""Non-empty inside `native_ops()`: every op resolves to onpolicy.kernels.native."""
+
+
+def _backend(device_type: str) -> tuple[ModuleType, ...] | None:
+    if _native:
+        return tuple(_native)
+    if device_type not in _BACKENDS and device_type in _LAZY:
+        _BACKENDS[device_type] = (importlib.import_module(_LAZY[device_type]),)
+    return _BACKENDS.get(device_type)
+
 
 def _impl(op: str, t: torch.Tensor):
-    modules = _BACKENDS.get(t.device.type)
+    modules = _backend(t.device.type)
     if modules is None:
         raise NotImplementedError(
-            f"onpolicy.kernels.{op}: no exact backend for device {t.device.type!r} yet "
-            f"(implemented: {', '.join(_BACKENDS)}); the Triton backend will provide it"
+            f"onpolicy.kernels.{op}: no exact backend for device {t.device.type!r} "
+            f"(implemented: {', '.join(sorted({*_BACKENDS, *_LAZY}))})"
         )
     for module in modules:
         if hasattr(module, op):
             return getattr(module, op)
     raise NotImplementedError(f"onpolicy.kernels.{op}: not in the {t.device.type} backend")
+
+
+@contextlib.contextmanager
+def native_ops() -> Iterator[None]:
+    """Inside, every op is the plain torch op on the tensor's device: fast, not invariant."""
+    _native.append(importlib.import_module("onpolicy.kernels.native"))
+    try:
+        yield
+    finally:
+        _native.pop()
 
 
 # --- matmul -----------------------------------------------------------------------------------
@@ -201,7 +230,7 @@ def moe(
 __all__ = [
     "K_BLOCK", "KV_BLOCK", "VOCAB_SEGMENTS", "attention", "combine_partials", "embedding",
     "linear", "linear_partial", "log_softmax", "moe", "moe_combine", "moe_expert_outputs",
-    "moe_merge_expert_parallel", "moe_route", "paged_attention", "pairwise_tree_sum",
+    "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",
     "rms_norm", "rope", "rope_table", "row_parallel_exact", "row_parallel_linear",
     "scale_logits", "silu_mul", "token_logprobs", "tree_sum", "vocab_parallel_exact",
     "vocab_parallel_token_logprobs", "vocab_segments",

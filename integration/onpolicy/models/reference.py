@@ -118,6 +118,29 @@ class Qwen3MoeReference(nn.Module):
         model.load_state_dict(model._from_hf_names(load_hf_state_dict(path)))
         return model
 
+    @classmethod
+    def random(
+        cls, cfg: Qwen3MoeConfig, *, dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu", seed: int = 0,
+    ) -> Qwen3MoeReference:  # fmt: skip
+        """Seeded random weights made directly on `device` (full-size models on one GPU)."""
+        with torch.device("meta"):
+            model = cls(cfg, dtype)
+        model.to_empty(device=device)
+        model.rope_table = K.rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        model.rope_table = model.rope_table.to(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith(("norm", "layernorm")):
+                p.normal_(1.0, 0.1, generator=gen)
+            else:  # std 1/sqrt(fan_in) keeps activations O(1) through the layers
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        return model
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
     def _from_hf_names(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF hub names (per-expert matrices) -> this module's names (experts stacked)."""
         cfg = self.cfg
@@ -173,8 +196,8 @@ class Qwen3MoeReference(nn.Module):
         """Per sequence, fp32 log p(token i | tokens < i) for i = 1..len-1, by packed prefill."""
         seqs = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
         cu = [0, *itertools.accumulate(len(s) for s in seqs)]
-        tokens = torch.cat(seqs)
-        positions = torch.cat([torch.arange(len(s)) for s in seqs])
+        tokens = torch.cat(seqs).to(self.device)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(self.device)
         logits = self(tokens, positions, lambda i, q, k, v: K.attention(q, k, v, cu))
         return [
             K.token_logprobs(logits[a : b - 1], tokens[a + 1 : b], temperature)
@@ -210,9 +233,11 @@ class Qwen3MoeReference(nn.Module):
             cache.reserve(r, end)
         tables = [cache.page_table(r) for r in requests]
         tokens = torch.tensor(
-            [t for r, a, b in zip(requests, starts, ends, strict=True) for t in r.tokens[a:b]]
+            [t for r, a, b in zip(requests, starts, ends, strict=True) for t in r.tokens[a:b]],
+            device=self.device,
         )
         positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends, strict=True)])
+        positions = positions.to(self.device)
 
         def attend(layer: int, q, k, v):
             # Keys of the new tokens go into the cache first; attention then reads only the cache.
@@ -225,7 +250,8 @@ class Qwen3MoeReference(nn.Module):
             tokens,
             positions,
             attend,
-            logit_rows=torch.tensor([cu[i + 1] - 1 for i in done], dtype=torch.long),
+            logit_rows=torch.tensor([cu[i + 1] - 1 for i in done], dtype=torch.long,
+                                    device=self.device),
         )
         for r, end in zip(requests, ends, strict=True):
             r.kv_len = end
@@ -246,7 +272,8 @@ class Qwen3MoeReference(nn.Module):
                 for i, p in zip(rids, prompts, strict=True)]  # fmt: skip
         longest = max(len(p) for p in prompts) + max_new_tokens
         cache = PagedKVCache(self.cfg, self.dtype, page_size=page_size,
-                             num_pages=len(reqs) * -(-longest // page_size))  # fmt: skip
+                             num_pages=len(reqs) * -(-longest // page_size),
+                             device=self.device)  # fmt: skip
         self.prefill(reqs, cache, chunk_size)
         for _ in range(max_new_tokens - 1):
             self.decode(reqs, cache)
@@ -293,11 +320,11 @@ class PagedKVCache:
     """Keys and values of every layer in fixed-size pages, handed out to requests on demand."""
 
     def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, *, page_size: int = 16,
-                 num_pages: int = 64) -> None:  # fmt: skip
+                 num_pages: int = 64, device: str | torch.device = "cpu") -> None:  # fmt: skip
         shape = (cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.page_size = page_size
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.free = list(range(num_pages))
 
     def reserve(self, req: Request, n: int) -> None:
@@ -311,11 +338,11 @@ class PagedKVCache:
         req.pages = []
 
     def page_table(self, req: Request) -> torch.Tensor:
-        return torch.tensor(req.pages, dtype=torch.long)
+        return torch.tensor(req.pages, dtype=torch.long, device=self.k.device)
 
     def write(self, layer: int, req: Request, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of positions start.. for `req` (before attention reads them)."""
-        pos = torch.arange(start, start + k.shape[0])
+        pos = torch.arange(start, start + k.shape[0], device=self.k.device)
         pages = self.page_table(req)[pos // self.page_size]
         self.k[layer, pages, pos % self.page_size] = k
         self.v[layer, pages, pos % self.page_size] = v
@@ -339,9 +366,10 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, float]:
         token = int(torch.argmax(logits))
         t = 1.0
     else:
+        # The noise is drawn on the CPU, so a request draws the same noise on every device.
         gen = torch.Generator().manual_seed(request_seed(req.seed, req.rid, len(req.output)))
-        u = torch.rand(logits.shape[-1], generator=gen, dtype=torch.float32)
+        u = torch.rand(logits.shape[-1], generator=gen, dtype=torch.float32).to(logits.device)
         lp = K.log_softmax(K.scale_logits(logits, t))
         token = int(torch.argmax(lp - torch.log(-torch.log(u))))
-    lp_token = K.token_logprobs(logits[None], torch.tensor([token]), t)[0]
+    lp_token = K.token_logprobs(logits[None], torch.tensor([token], device=logits.device), t)[0]
     return token, float(lp_token)
