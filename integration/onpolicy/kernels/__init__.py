@@ -45,7 +45,7 @@ _BACKENDS: dict[str, tuple[ModuleType, ...]] = {
 }  # fmt: skip
 """device type -> the modules implementing the ops, searched in order."""
 
-_LAZY = {"cuda": "onpolicy.kernels.triton.ops"}
+_LAZY = {"cuda": "onpolicy.kernels.cuda.ops"}
 """Backends imported on first use (Triton is only needed where there is a GPU)."""
 
 _native: list[ModuleType] = []

@@ -28,7 +28,15 @@ def route(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids [T, k] int64, topk_weights [T, k] fp32), best first, ties to the lower id."""
-    logits = linear(x, gate_weight).float()
+    return route_from_logits(linear(x, gate_weight), top_k, renormalize)
+
+
+def route_from_logits(
+    logits: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router after its linear: elementwise ops, tree sums and a stable sort, exact on any
+    device."""
+    logits = logits.float()
     e = torch.exp(logits - logits.amax(dim=-1, keepdim=True).detach())
     probs = e / tree_sum(e, dim=-1)[..., None]
     order = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[..., :top_k]

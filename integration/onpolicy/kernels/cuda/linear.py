@@ -1,0 +1,233 @@
+"""Exact linear (CUDA): fixed tiles, one tensor-core product per 128-wide K-block, the block
+partials summed by the pairwise tree.
+
+For an output tile the kernel walks K in blocks of K_BLOCK. Each block's product starts from a
+zero accumulator (`tl.dot(a, w)`), so its bits depend only on that row of x and column of w
+inside the block: the tensor core's own order over 128 products, the same for every tile. The
+block partials are combined by the pairwise tree of `kernels.tree` with a binary-counter stack:
+after block j, partial sums of 2^i blocks sit in level i for every set bit i of j + 1, and a
+completed level is added to the one above. A power-of-2 count of aligned blocks is therefore a
+subtree, which is what row-parallel exactness needs (`rules.row_parallel_exact`, with the GPU's
+extra condition that a shard holds whole blocks).
+
+The tile shape and warp count are fixed for all M (and for the grouped MoE variant), so a row
+gets the same bits at any batch size and position. There is no split-K: splitting K over
+programs would change the order with the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from onpolicy.kernels.rules import K_BLOCK
+from onpolicy.kernels.tree import combine_partials
+
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 64, 8, 3
+"""The one tile configuration. Eight warps over a 128x64 fp32 tile keep 32 registers per
+level of the tree stack, so five live levels (K up to 4096 without spilling) fit."""
+
+MAX_LEVELS = 7
+"""Levels of the stack the kernel is compiled with: K up to 2^7 blocks = 16384."""
+
+
+@triton.jit
+def _push(c, s0, s1, s2, s3, s4, s5, s6, j):
+    """Block j's partial c enters the stack: merge it with every full level (the trailing one
+    bits of j), then park the sum at the first free level."""
+    if j & 1:
+        c = s0 + c
+        if j & 2:
+            c = s1 + c
+            if j & 4:
+                c = s2 + c
+                if j & 8:
+                    c = s3 + c
+                    if j & 16:
+                        c = s4 + c
+                        if j & 32:
+                            c = s5 + c
+                            s6 = c
+                        else:
+                            s5 = c
+                    else:
+                        s4 = c
+                else:
+                    s3 = c
+            else:
+                s2 = c
+        else:
+            s1 = c
+    else:
+        s0 = c
+    return s0, s1, s2, s3, s4, s5, s6
+
+
+@triton.jit
+def _fold(s0, s1, s2, s3, s4, s5, s6, n: tl.constexpr):
+    """The tree's root after n blocks: the occupied levels (set bits of n), lowest first, each
+    added onto the level above, as the odd-carry pairwise tree does."""
+    acc = s0
+    have = n & 1
+    if n & 2:
+        acc = (s1 + acc) if have else s1
+        have = 1
+    if n & 4:
+        acc = (s2 + acc) if have else s2
+        have = 1
+    if n & 8:
+        acc = (s3 + acc) if have else s3
+        have = 1
+    if n & 16:
+        acc = (s4 + acc) if have else s4
+        have = 1
+    if n & 32:
+        acc = (s5 + acc) if have else s5
+        have = 1
+    if n & 64:
+        acc = (s6 + acc) if have else s6
+    return acc
+
+
+@triton.jit
+def _tree_mm_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    M, N, K, stride_xm, stride_we, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr, OUT_FP32: tl.constexpr,
+    NUM_KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if GROUPED:  # one M-tile of one expert's rows, from the tile table
+        e = tl.load(tile_expert_ptr + pid_m)
+        if e < 0:
+            return
+        row0 = tl.load(tile_start_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+        w_ptr += e.to(tl.int64) * stride_we
+    else:
+        row0 = pid_m * BM
+        row_end = M
+    rm = row0 + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok, n_ok = rm < row_end, rn < N
+    src = tl.load(rows_ptr + rm, mask=m_ok, other=0) if GATHER else rm
+    x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    s0, s1, s2, s3, s4, s5, s6 = zero, zero, zero, zero, zero, zero, zero
+    for j in range(NUM_KB):
+        kk = j * BK + rk
+        k_ok = kk < K
+        a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            c = tl.dot(a, b, input_precision="ieee")
+        else:
+            c = tl.dot(a, b)
+        s0, s1, s2, s3, s4, s5, s6 = _push(c, s0, s1, s2, s3, s4, s5, s6, j)
+    acc = _fold(s0, s1, s2, s3, s4, s5, s6, NUM_KB)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    if OUT_FP32:
+        tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _num_kb(k: int) -> int:
+    nkb = max(1, -(-k // K_BLOCK))
+    if nkb >= 1 << MAX_LEVELS:
+        raise ValueError(f"linear: K = {k} needs {nkb} blocks; the kernel holds < {1 << MAX_LEVELS}")
+    return nkb
+
+
+def tree_mm(
+    x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None, rows: torch.Tensor | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out_rows: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ weight[N, K].T by the block tree; fp32 out unless `out_dtype`.
+
+    Grouped (MoE): weight is [E, N, K], `tiles` = (expert, first row, end row) per M-tile of
+    the output, `rows` [out_rows] the row of x each output row reads (None: the same row).
+    """
+    k = x.shape[-1]
+    if weight.shape[-1] != k:
+        raise ValueError(f"linear: x has K={k}, weight [.., N, K] has K={weight.shape[-1]}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    n = weight.shape[-2]
+    m = x.shape[0] if out_rows is None else out_rows
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype or torch.float32)
+    grouped = tiles is not None
+    n_tiles = tiles[0].numel() if grouped else triton.cdiv(m, BLOCK_M)
+    if m == 0 or n == 0 or n_tiles == 0:
+        return out.zero_()
+    dummy = out
+    te, ts, tend = tiles if grouped else (dummy, dummy, dummy)
+    _tree_mm_kernel[(n_tiles, triton.cdiv(n, BLOCK_N))](
+        x, weight, out, bias if bias is not None else dummy, rows if rows is not None else dummy,
+        te, ts, tend, m, n, k, x.stride(0), weight.stride(0) if grouped else 0,
+        weight.stride(-2), out.stride(0),
+        HAS_BIAS=bias is not None, GATHER=rows is not None, GROUPED=grouped,
+        OUT_FP32=out_dtype is None, NUM_KB=_num_kb(k), BM=BLOCK_M, BN=BLOCK_N, BK=K_BLOCK,
+        IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out
+
+
+class _LinearPartial(torch.autograd.Function):
+    """Exact fp32 forward; the native matmul gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        flat = x.reshape(-1, x.shape[-1])
+        return tree_mm(flat, weight).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ weight.float()).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = (g.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return gx, gw
+
+
+def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ weight.T over this weight's K: the block tree, no bias, not rounded."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear: x has K={x.shape[-1]}, weight [N, K] has K={weight.shape[-1]}")
+    return _LinearPartial.apply(x, weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): bias added in fp32 and one rounding, fused into the kernel."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return combine_partials([linear_partial(x, weight)], x.dtype, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    out = tree_mm(flat, weight, bias=bias, out_dtype=x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`tp` row-parallel shards plus the tree combine, in one process."""
+    k = x.shape[-1]
+    if k % tp:
+        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
+    s = k // tp
+    parts = [linear_partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s])
+             for i in range(tp)]  # fmt: skip
+    return combine_partials(parts, x.dtype, bias)
