@@ -280,7 +280,7 @@ def rollout_tp_tree_exact(cfg: RunConfig) -> None:
 
     k = cfg.model.num_attention_heads * cfg.model.head_dim
     for name, tp in (("training.tp", ttp), ("rollout.tp", rtp)):
-        if not row_parallel_exact(k, tp):
+        if not row_parallel_exact(k, tp, cfg.device):
             raise ContractError(
                 "rollout_tp_tree_exact",
                 f"rollout.tp = {rtp} differs from training.tp = {ttp}, and {name} = {tp} cuts "
@@ -288,7 +288,8 @@ def rollout_tp_tree_exact(cfg: RunConfig) -> None:
                 f"{k // tp}: not an aligned subtree of the {K_BLOCK}-wide block tree, so the "
                 "two sides' sums would differ",
                 f"set rollout.tp = training.tp = {ttp}, or use TPs where K / TP is a power of "
-                f"2 (a power-of-2 count of whole {K_BLOCK}-blocks, or a power-of-2 slice of one)",
+                f"2 (a power-of-2 count of whole {K_BLOCK}-blocks, or on CPU a power-of-2 slice "
+                "of one)",
             )
 
 

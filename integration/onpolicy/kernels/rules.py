@@ -21,17 +21,21 @@ def is_power_of_2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def row_parallel_exact(k: int, tp: int) -> bool:
+def row_parallel_exact(k: int, tp: int, device: str = "cpu") -> bool:
     """Whether splitting a matmul's K = `k` into `tp` equal contiguous shards keeps its bits.
 
     True when tp is 1, or when tp is a power of 2 dividing k and each shard's width k/tp is a
     power of 2: then a shard is either a power-of-2 count of whole K-blocks or a power-of-2
     slice of the single block, an aligned subtree of the fixed pairwise tree either way.
+    On "cuda" a shard must also hold whole blocks: inside a block the tensor core's order is
+    not a pairwise tree, so a slice of one block is not a subtree there.
     Qwen3-30B-A3B's expert K = 768 at tp 2 gives 384 = 3 blocks per shard: not exact.
     """
     if tp == 1:
         return True
     if not is_power_of_2(tp) or k % tp:
+        return False
+    if device == "cuda" and (k // tp) % K_BLOCK:
         return False
     return is_power_of_2(k // tp)
 

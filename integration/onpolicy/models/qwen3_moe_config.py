@@ -109,6 +109,6 @@ QWEN3_30B_A3B = Qwen3MoeConfig(
     vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
     moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
+    max_position_embeddings=40960, eos_token_id=151645,
 )  # fmt: skip
 """Qwen3-30B-A3B's published shape (config.json of the hub release), for full-size runs."""

@@ -2,7 +2,7 @@
 
 - Router: the exact linear, then `route_from_logits` (elementwise ops, tree sums, a stable
   sort), shared with the CPU backend.
-- Experts: the (token, slot) pairs are sorted by expert (stably), cut into BLOCK_M-row tiles per
+- Experts: the (token, slot) pairs are sorted by expert (stably), cut into linear.BLOCK_M-row tiles per
   expert, and run through `tree_mm` in grouped mode: the same kernel, tile shape and block tree
   as `linear`, reading each row of x by index. A row's bits are then those of `linear` on that
   row alone, whatever else the expert holds; gate and up are two grouped GEMMs, then
@@ -20,7 +20,8 @@ import triton
 
 from onpolicy.kernels.cpu.moe import combine, merge_expert_parallel, route_from_logits
 from onpolicy.kernels.cuda.elementwise import silu_mul
-from onpolicy.kernels.cuda.linear import BLOCK_M, linear, tree_mm
+from onpolicy.kernels.cuda import linear as _linear
+from onpolicy.kernels.cuda.linear import linear, tree_mm
 
 __all__ = ["combine", "expert_outputs", "merge_expert_parallel", "moe", "route"]
 
@@ -43,12 +44,13 @@ def _tiles(expert_of_pair: torch.Tensor, num_experts: int):
     order = torch.sort(expert_of_pair, stable=True).indices
     counts = torch.bincount(expert_of_pair, minlength=num_experts + 1)[:num_experts]
     starts = torch.cumsum(counts, 0) - counts
-    per = (counts + BLOCK_M - 1) // BLOCK_M
+    bm = _linear.BLOCK_M
+    per = (counts + bm - 1) // bm
     first = torch.cumsum(per, 0) - per
-    slots = torch.arange(triton.cdiv(n, BLOCK_M) + num_experts, device=counts.device)
+    slots = torch.arange(triton.cdiv(n, bm) + num_experts, device=counts.device)
     e = torch.searchsorted(torch.cumsum(per, 0), slots, right=True)
     ec = e.clamp(max=num_experts - 1)
-    tile_start = starts[ec] + (slots - first[ec]) * BLOCK_M
+    tile_start = starts[ec] + (slots - first[ec]) * bm
     tile_end = starts[ec] + counts[ec]
     tile_expert = torch.where(e < num_experts, e, -1)
     return order, (tile_expert, tile_start, tile_end)
