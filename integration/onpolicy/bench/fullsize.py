@@ -98,8 +98,8 @@ def main() -> None:
         raise SystemExit("onpolicy.bench.fullsize needs a CUDA device (the model is ~61 GB)")
     cfg = dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     model = Qwen3MoeReference.random(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
-    print(f"device: {torch.cuda.get_device_name()}, weights "
-          f"{sum(p.numel() for p in model.parameters()) * 2 / 2**30:.1f} GiB", flush=True)  # fmt: skip
+    gib = sum(p.numel() for p in model.parameters()) * 2 / 2**30
+    print(f"device: {torch.cuda.get_device_name()}, weights {gib:.1f} GiB", flush=True)
     for native in (False, True) if args.native else (False,):
         res = run(cfg, requests=args.requests, new_tokens=args.new_tokens, native=native,
                   model=model)  # fmt: skip

@@ -2,7 +2,7 @@
 sequence, never on the batch, the chunking, prefill vs decode, or a power-of-2 TP split.
 
 One API; the backend is picked by the device of the first tensor argument: `kernels/cpu/`
-(pure torch, every sum spelled out) for CPU tensors, `kernels/triton/` (Triton kernels, imported
+(pure torch, every sum spelled out) for CPU tensors, `kernels/cuda/` (Triton kernels, imported
 on first use) for CUDA tensors; other devices raise NotImplementedError naming the op. The
 reduction layouts in `rules` bind every backend; exactness is required within one backend, not
 across backends. docs/exactness.md has each op's reduction order and the test that proves it.

@@ -250,8 +250,9 @@ class Qwen3MoeReference(nn.Module):
             tokens,
             positions,
             attend,
-            logit_rows=torch.tensor([cu[i + 1] - 1 for i in done], dtype=torch.long,
-                                    device=self.device),
+            logit_rows=torch.tensor(
+                [cu[i + 1] - 1 for i in done], dtype=torch.long, device=self.device
+            ),
         )
         for r, end in zip(requests, ends, strict=True):
             r.kv_len = end

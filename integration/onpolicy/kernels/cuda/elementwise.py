@@ -59,8 +59,10 @@ def rms_norm(
     rows = xc.numel() // max(h, 1)
     if rows:
         block, warps = _width_config(h)
-        _rms_norm_kernel[(rows,)](xc, res, weight.contiguous(), out, res_out, h, eps,
-                                  HAS_RES=residual is not None, BLOCK=block, num_warps=warps)  # fmt: skip
+        _rms_norm_kernel[(rows,)](
+            xc, res, weight.contiguous(), out, res_out, h, eps,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
     return out if residual is None else (out, res_out)
 
 

@@ -147,7 +147,9 @@ def _tree_mm_kernel(
 def _num_kb(k: int) -> int:
     nkb = max(1, -(-k // K_BLOCK))
     if nkb >= 1 << MAX_LEVELS:
-        raise ValueError(f"linear: K = {k} needs {nkb} blocks; the kernel holds < {1 << MAX_LEVELS}")
+        raise ValueError(
+            f"linear: K = {k} needs {nkb} blocks; the kernel holds < {1 << MAX_LEVELS}"
+        )
     return nkb
 
 

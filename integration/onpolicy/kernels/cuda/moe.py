@@ -2,9 +2,9 @@
 
 - Router: the exact linear, then `route_from_logits` (elementwise ops, tree sums, a stable
   sort), shared with the CPU backend.
-- Experts: the (token, slot) pairs are sorted by expert (stably), cut into linear.BLOCK_M-row tiles per
-  expert, and run through `tree_mm` in grouped mode: the same kernel, tile shape and block tree
-  as `linear`, reading each row of x by index. A row's bits are then those of `linear` on that
+- Experts: the (token, slot) pairs are sorted by expert (stably), cut into tiles of
+  `linear.BLOCK_M` rows per expert, and run through `tree_mm` in grouped mode: the same
+  kernel, tile shape and block tree as `linear`, reading each row of x by index. A row's bits are then those of `linear` on that
   row alone, whatever else the expert holds; gate and up are two grouped GEMMs, then
   `silu_mul`, then the grouped down projection.
 - Merge and combine: the CPU backend's torch ops (a selection, and the pairwise tree in
@@ -19,8 +19,8 @@ import torch
 import triton
 
 from onpolicy.kernels.cpu.moe import combine, merge_expert_parallel, route_from_logits
-from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda import linear as _linear
+from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda.linear import linear, tree_mm
 
 __all__ = ["combine", "expert_outputs", "merge_expert_parallel", "moe", "route"]
