@@ -67,3 +67,17 @@ def hf_model(tiny_checkpoint):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     return model.eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are collected everywhere and skipped, with the reason, where there is no CUDA."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; run with -m gpu on the GPU machine")
+    for item in gpu:
+        item.add_marker(skip)

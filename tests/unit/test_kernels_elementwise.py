@@ -2,7 +2,8 @@
 on that row (batch size, position in the batch, offset in memory), plus backward vs autograd.
 
 Where the plain torch op is already invariant on CPU the negative control says so and asserts
-it; `F.silu` is the one that is not.
+it; `F.silu` is the one that is not. On CUDA, torch's row reduction (RMSNorm's mean square) is
+the one that breaks; rotations and SiLU are elementwise there, so they get no CUDA control.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from adversarial import DTYPES, PROPERTY, wide
+from adversarial import CUDA, DEVICES, DTYPES, PROPERTY, wide
 from hypothesis import given
 from hypothesis import strategies as st
 from onpolicy import kernels as K
@@ -21,6 +22,7 @@ def each_row_alone(fn, *batched: torch.Tensor) -> torch.Tensor:
 
 
 # --- RMSNorm ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
     m=st.integers(1, 33),
@@ -28,9 +30,11 @@ def each_row_alone(fn, *batched: torch.Tensor) -> torch.Tensor:
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_rms_norm_rows_are_independent(m, h, dtype, seed):
-    x, r = wide(m, h, seed=seed, dtype=dtype), wide(m, h, seed=seed + 1, dtype=dtype)
+def test_rms_norm_rows_are_independent(device, m, h, dtype, seed):
+    x = wide(m, h, seed=seed, dtype=dtype, device=device)
+    r = wide(m, h, seed=seed + 1, dtype=dtype, device=device)
     w = (1 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(seed))).to(dtype)
+    w = w.to(device)
     out = K.rms_norm(x, w, 1e-6)
     assert torch.equal(out, each_row_alone(lambda a: K.rms_norm(a, w, 1e-6), x))
     assert torch.equal(out[1:], K.rms_norm(x[1:], w, 1e-6))
@@ -40,12 +44,14 @@ def test_rms_norm_rows_are_independent(m, h, dtype, seed):
     assert torch.equal(res, torch.cat([b for _, b in alone]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_residual_pair_semantics(dtype):
+def test_rms_norm_residual_pair_semantics(device, dtype):
     """(normed, new_residual): new_residual = x + residual, and normed is the norm of it, so the
     fused call equals the unfused add-then-norm bit for bit."""
-    x, r, w = wide(9, 64, seed=1, dtype=dtype), wide(9, 64, seed=2, dtype=dtype), wide(64, seed=3)
-    w = w.to(dtype)
+    x = wide(9, 64, seed=1, dtype=dtype, device=device)
+    r = wide(9, 64, seed=2, dtype=dtype, device=device)
+    w = wide(64, seed=3, device=device).to(dtype)
     normed, res = K.rms_norm(x, w, 1e-6, residual=r)
     assert torch.equal(res, x + r)
     assert torch.equal(normed, K.rms_norm(x + r, w, 1e-6))
@@ -63,34 +69,57 @@ def test_negative_control_torch_rms_norm_happens_to_be_row_invariant():
     assert torch.equal(ms, each_row_alone(lambda a: a.pow(2).mean(-1), x))
 
 
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_control_cuda_rms_norm_depends_on_batch_size(device, dtype):
+    """torch's CUDA reduction sizes its thread block from the number of rows as well as their
+    length: one row alone is reduced by more threads than each of 48, so its mean square (and
+    the plain RMSNorm) gets other bits."""
+    x = wide(48, 4096, seed=4, dtype=dtype, device=device)
+    w = wide(4096, seed=5, dtype=dtype, spread=1, device=device)
+
+    def plain(a: torch.Tensor) -> torch.Tensor:
+        af = a.float()
+        return (w.float() * af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    ms = x.float().pow(2).mean(-1)
+    assert not torch.equal(ms, each_row_alone(lambda a: a.float().pow(2).mean(-1), x))
+    assert not torch.equal(plain(x), each_row_alone(plain, x))
+    exact = K.rms_norm(x, w, 1e-6)
+    assert torch.equal(exact, each_row_alone(lambda a: K.rms_norm(a, w, 1e-6), x))
+
+
 # --- RoPE -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
     positions=st.lists(st.integers(0, 4095), min_size=1, max_size=24),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_rope_depends_only_on_the_token_and_its_position(positions, dtype, seed):
-    table = K.rope_table(16, 1e6, 4096)
-    pos = torch.tensor(positions)
-    x = wide(len(positions), 4, 16, seed=seed, dtype=dtype)
+def test_rope_depends_only_on_the_token_and_its_position(device, positions, dtype, seed):
+    table = K.rope_table(16, 1e6, 4096).to(device)
+    pos = torch.tensor(positions, device=device)
+    x = wide(len(positions), 4, 16, seed=seed, dtype=dtype, device=device)
     out = K.rope(x, pos, table)
     assert torch.equal(out, each_row_alone(lambda a, p: K.rope(a, p, table), x, pos))
     perm = torch.randperm(len(positions), generator=torch.Generator().manual_seed(seed))
+    perm = perm.to(device)
     assert torch.equal(K.rope(x[perm], pos[perm], table), out[perm])
 
 
-def test_rope_matches_hf_neox_rotation():
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_matches_hf_neox_rotation(device):
     torch.manual_seed(0)
     from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
-    table = K.rope_table(16, 1e6, 512)
-    pos = torch.tensor([0, 1, 7, 300, 511])
-    x = torch.randn(5, 4, 16)
+    table = K.rope_table(16, 1e6, 512).to(device)
+    pos = torch.tensor([0, 1, 7, 300, 511], device=device)
+    x = torch.randn(5, 4, 16).to(device)
     cos, sin = torch.cat([table[pos, :8]] * 2, -1), torch.cat([table[pos, 8:]] * 2, -1)
     q, _ = apply_rotary_pos_emb(x.transpose(0, 1), x.transpose(0, 1), cos, sin, unsqueeze_dim=0)
     torch.testing.assert_close(K.rope(x, pos, table), q.transpose(0, 1), rtol=1e-6, atol=1e-6)
-    inv = 1.0 / (1e6 ** (torch.arange(0, 16, 2).float() / 16))
+    inv = 1.0 / (1e6 ** (torch.arange(0, 16, 2, device=device).float() / 16))
     torch.testing.assert_close(table[pos, :8], torch.cos(pos[:, None].float() * inv))
 
 
@@ -117,9 +146,11 @@ def offsets_agree(fn, x: torch.Tensor, y: torch.Tensor) -> bool:
     return True
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_is_invariant_to_offset_and_batch(dtype):
-    g, u = wide(4096, seed=5, dtype=dtype, spread=4), wide(4096, seed=6, dtype=dtype)
+def test_silu_mul_is_invariant_to_offset_and_batch(device, dtype):
+    g = wide(4096, seed=5, dtype=dtype, spread=4, device=device)
+    u = wide(4096, seed=6, dtype=dtype, device=device)
     assert offsets_agree(K.silu_mul, g, u)
     gm, um = g.view(64, 64), u.view(64, 64)
     assert torch.equal(K.silu_mul(gm, um), each_row_alone(K.silu_mul, gm, um))
@@ -141,19 +172,21 @@ def test_negative_control_f_silu_depends_on_offset_in_fp32():
     assert plain_holds is (torch.backends.cpu.get_cpu_capability() == "DEFAULT")
 
 
-def test_embedding_is_a_gather():
-    w = wide(50, 8, seed=7, dtype=torch.bfloat16)
-    ids = torch.tensor([3, 49, 0, 3])
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_is_a_gather(device):
+    w = wide(50, 8, seed=7, dtype=torch.bfloat16, device=device)
+    ids = torch.tensor([3, 49, 0, 3], device=device)
     assert torch.equal(K.embedding(ids, w), w[ids])
     assert torch.equal(K.embedding(ids[1:2], w), K.embedding(ids, w)[1:2])
 
 
 # --- backward ---------------------------------------------------------------------------------
-def test_backward_matches_autograd():
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_matches_autograd(device):
     torch.manual_seed(0)
-    x, r = torch.randn(6, 64, requires_grad=True), torch.randn(6, 64, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(64)).requires_grad_()
-    g = torch.randn(6, 64)
+    x, r = (torch.randn(6, 64).to(device).requires_grad_() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(64)).to(device).requires_grad_()
+    g = torch.randn(6, 64).to(device)
     normed, res = K.rms_norm(x, w, 1e-6, residual=r)
     (normed * g + res * g).sum().backward()
     xr, rr, wr = (t.detach().clone().requires_grad_() for t in (x, r, w))
@@ -163,9 +196,9 @@ def test_backward_matches_autograd():
     for ours, theirs in ((x, xr), (r, rr), (w, wr)):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
 
-    table = K.rope_table(16, 1e4, 64)
-    q = torch.randn(5, 2, 16, requires_grad=True)
-    pos = torch.tensor([0, 3, 9, 20, 63])
+    table = K.rope_table(16, 1e4, 64).to(device)
+    q = torch.randn(5, 2, 16).to(device).requires_grad_()
+    pos = torch.tensor([0, 3, 9, 20, 63], device=device)
     (K.rope(q, pos, table) * 1.5).sum().backward()
     qr = q.detach().clone().requires_grad_()
     c, s_ = table[pos, None, :8], table[pos, None, 8:]
@@ -173,7 +206,7 @@ def test_backward_matches_autograd():
     (torch.cat([a * c - b * s_, b * c + a * s_], -1) * 1.5).sum().backward()
     torch.testing.assert_close(q.grad, qr.grad)
 
-    gate, up = torch.randn(7, 32, requires_grad=True), torch.randn(7, 32, requires_grad=True)
+    gate, up = (torch.randn(7, 32).to(device).requires_grad_() for _ in range(2))
     K.silu_mul(gate, up).pow(2).sum().backward()
     gr, ur = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
     (F.silu(gr) * ur).pow(2).sum().backward()

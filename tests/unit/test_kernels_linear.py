@@ -1,8 +1,8 @@
 """Exact linear: row (batch) invariance, TP row-parallel exactness, the exactness rule, backward.
 
 Inputs have wide exponents (2^-12 .. 2^12 per element), so any change of summation order shows
-in the fp32 result; each property's negative control runs the plain torch op on the same kind
-of input and asserts that it breaks.
+in the fp32 result; each property's negative control runs the plain torch op (MKL on CPU,
+cuBLAS on CUDA) on the same kind of input and asserts that it breaks.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from adversarial import DTYPES, PROPERTY, wide
+from adversarial import CUDA, DEVICES, DTYPES, PROPERTY, wide
 from hypothesis import given
 from hypothesis import strategies as st
 from onpolicy import kernels as K
@@ -22,6 +22,7 @@ def mismatches(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 # --- batch invariance ---------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
     m=st.integers(1, 40),
@@ -30,9 +31,10 @@ def mismatches(a: torch.Tensor, b: torch.Tensor) -> str:
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_row_is_independent_of_batch_size_and_position(m, row, k, dtype, seed):
+def test_row_is_independent_of_batch_size_and_position(device, m, row, k, dtype, seed):
     row = row % m
-    x, w = wide(m, k, seed=seed, dtype=dtype), wide(24, k, seed=seed + 1, dtype=dtype, spread=4)
+    x = wide(m, k, seed=seed, dtype=dtype, device=device)
+    w = wide(24, k, seed=seed + 1, dtype=dtype, spread=4, device=device)
     alone = K.linear(x[row : row + 1], w)[0]
     for batch, at in ((x, row), (torch.cat([x.flip(0), x]), m + row), (x[row:], 0)):
         got = K.linear(batch, w)[at]
@@ -49,8 +51,24 @@ def test_negative_control_torch_linear_depends_on_batch_size():
     assert torch.equal(exact, torch.cat([K.linear(x[i : i + 1], w) for i in range(64)]))
 
 
-def test_leading_dims_and_bias():
-    x, w, b = wide(3, 5, 96, seed=3), wide(40, 96, seed=4), wide(40, seed=5)
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_control_cublas_linear_depends_on_batch_size(device, dtype):
+    """cuBLAS picks its kernel (tiles, split-K, GEMV for one row) from the whole shape: a row's
+    bits differ between a batch of 64 and the row alone, in fp32 and bf16."""
+    x = wide(64, 4096, seed=1, dtype=dtype, device=device)
+    w = wide(256, 4096, seed=2, dtype=dtype, spread=4, device=device)
+    full = F.linear(x, w)
+    rows = torch.cat([F.linear(x[i : i + 1], w) for i in range(64)])
+    assert not torch.equal(full, rows), mismatches(full, rows)
+    exact = K.linear(x, w)
+    assert torch.equal(exact, torch.cat([K.linear(x[i : i + 1], w) for i in range(64)]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_leading_dims_and_bias(device):
+    x, w = wide(3, 5, 96, seed=3, device=device), wide(40, 96, seed=4, device=device)
+    b = wide(40, seed=5, device=device)
     out = K.linear(x, w, b)
     assert out.shape == (3, 5, 40)
     assert torch.equal(out, K.linear(x.reshape(15, 96), w, b).view(3, 5, 40))
@@ -66,6 +84,7 @@ def shards(x: torch.Tensor, w: torch.Tensor, tp: int) -> list[torch.Tensor]:
     return [K.linear_partial(a, b) for a, b in zip(xs, ws, strict=True)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
     k=st.sampled_from([64, 128, 256, 512, 1024, 2048]),
@@ -73,11 +92,12 @@ def shards(x: torch.Tensor, w: torch.Tensor, tp: int) -> list[torch.Tensor]:
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_row_parallel_partials_combine_to_the_unsharded_bits(k, tp, dtype, seed):
+def test_row_parallel_partials_combine_to_the_unsharded_bits(device, k, tp, dtype, seed):
     assert K.row_parallel_exact(k, tp)
-    x, w, b = wide(6, k, seed=seed, dtype=dtype), wide(10, k, seed=seed + 1, dtype=dtype), None
+    x = wide(6, k, seed=seed, dtype=dtype, device=device)
+    w, b = wide(10, k, seed=seed + 1, dtype=dtype, device=device), None
     if seed % 2:
-        b = wide(10, seed=seed + 2, dtype=dtype)
+        b = wide(10, seed=seed + 2, dtype=dtype, device=device)
     full = K.linear(x, w, b)
     sharded = K.combine_partials(shards(x, w, tp), dtype, b)
     assert torch.equal(sharded, full), mismatches(sharded, full)
@@ -86,15 +106,17 @@ def test_row_parallel_partials_combine_to_the_unsharded_bits(k, tp, dtype, seed)
     assert torch.equal(K.pairwise_tree_sum(shards(x, w, tp)), K.linear_partial(x, w))
 
 
-def test_negative_control_naive_shard_sum_differs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_control_naive_shard_sum_differs(device):
     """Summing the shards' partials left to right (or the BLAS partials) is not the tree."""
-    x, w = wide(8, 1024, seed=7), wide(16, 1024, seed=8)
+    x, w = wide(8, 1024, seed=7, device=device), wide(16, 1024, seed=8, device=device)
     full = K.linear(x, w)
     parts = shards(x, w, 4)
     left_to_right = ((parts[0] + parts[1]) + parts[2]) + parts[3]
     assert not torch.equal(left_to_right, full)
     blas = sum(a @ b.T for a, b in zip(x.chunk(4, -1), w.chunk(4, -1), strict=True))
     assert not torch.equal(blas, full)
+    assert torch.equal(K.row_parallel_linear(x, w, 4), full)
 
 
 @pytest.mark.parametrize(
@@ -116,19 +138,21 @@ def test_row_parallel_exact_rule(k, tp, exact):
     assert K.row_parallel_exact(k, tp) is exact
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("k", "tp"), [(768, 2), (768, 4), (1536, 2), (96, 2)])
-def test_inexact_shapes_really_differ_and_stay_deterministic(k, tp):
+def test_inexact_shapes_really_differ_and_stay_deterministic(device, k, tp):
     """Where the rule says no, the sharded tree is a different sum: it shows on wide inputs. It
     is still the same bits for every engine cut at the same tp."""
-    x, w = wide(16, k, seed=k + tp), wide(32, k, seed=k)
+    x, w = wide(16, k, seed=k + tp, device=device), wide(32, k, seed=k, device=device)
     full, sharded = K.linear(x, w), K.row_parallel_linear(x, w, tp)
     assert not torch.equal(sharded, full)
     assert torch.equal(sharded, K.row_parallel_linear(x.flip(0), w, tp).flip(0))
 
 
-def test_rule_agrees_with_the_kernel_for_every_small_shape():
-    x = wide(4, 1024, seed=11)
-    w = wide(8, 1024, seed=12)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rule_agrees_with_the_kernel_for_every_small_shape(device):
+    x = wide(4, 1024, seed=11, device=device)
+    w = wide(8, 1024, seed=12, device=device)
     for k in (32, 64, 96, 128, 192, 256, 384, 512, 640, 768, 1024):
         for tp in (2, 4, 8):
             if k % tp:
@@ -141,13 +165,14 @@ def test_rule_agrees_with_the_kernel_for_every_small_shape():
 
 
 # --- backward and dispatch ----------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_matches_autograd(dtype):
+def test_backward_matches_autograd(device, dtype):
     torch.manual_seed(0)
-    x = torch.randn(5, 7, 192).to(dtype).requires_grad_()
-    w = torch.randn(33, 192).to(dtype).requires_grad_()
-    b = torch.randn(33).to(dtype).requires_grad_()
-    g = torch.randn(5, 7, 33)
+    x = torch.randn(5, 7, 192).to(dtype).to(device).requires_grad_()
+    w = torch.randn(33, 192).to(dtype).to(device).requires_grad_()
+    b = torch.randn(33).to(dtype).to(device).requires_grad_()
+    g = torch.randn(5, 7, 33).to(device)
     (K.linear(x, w, b).float() * g).sum().backward()
     xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
     ((xr @ wr.T + br) * g).sum().backward()

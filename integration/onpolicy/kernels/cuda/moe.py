@@ -4,9 +4,9 @@
   sort), shared with the CPU backend.
 - Experts: the (token, slot) pairs are sorted by expert (stably), cut into tiles of
   `linear.BLOCK_M` rows per expert, and run through `tree_mm` in grouped mode: the same
-  kernel, tile shape and block tree as `linear`, reading each row of x by index. A row's bits are then those of `linear` on that
-  row alone, whatever else the expert holds; gate and up are two grouped GEMMs, then
-  `silu_mul`, then the grouped down projection.
+  kernel, tile shape and block tree as `linear`, reading each row of x by index. A row's bits
+  are then those of `linear` on that row alone, whatever else the expert holds; gate and up
+  are two grouped GEMMs, then `silu_mul`, then the grouped down projection.
 - Merge and combine: the CPU backend's torch ops (a selection, and the pairwise tree in
   ascending expert-id order), exact on any device.
 """
