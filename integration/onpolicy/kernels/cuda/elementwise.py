@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from onpolicy.kernels.autograd import exact_with_native_grad
+from onpolicy.kernels.cpu import norm as _torch_norm
+from onpolicy.kernels.cpu import rope as _torch_rope
 from onpolicy.kernels.cpu.activation import _silu_mul_native
 
 
@@ -48,7 +50,22 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim; with `residual`, returns (normed, x + residual)."""
+    """RMSNorm over the last dim; with `residual`, returns (normed, x + residual). The gradient
+    is that of the same steps in plain torch (the CPU backend's ops, run on this device)."""
+    if residual is None:
+        return exact_with_native_grad(
+            lambda x_, w_: _rms_norm_exact(x_, w_, eps, None),
+            lambda x_, w_: _torch_norm.rms_norm(x_, w_, eps),
+            x, weight,
+        )  # fmt: skip
+    return exact_with_native_grad(
+        lambda x_, w_, r_: _rms_norm_exact(x_, w_, eps, r_),
+        lambda x_, w_, r_: _torch_norm.rms_norm(x_, w_, eps, r_),
+        x, weight, residual,
+    )  # fmt: skip
+
+
+def _rms_norm_exact(x, weight, eps, residual):
     h = x.shape[-1]
     if weight.shape[-1] != h:
         raise ValueError(f"rms_norm: weight has {weight.shape[-1]} elements, rows have {h}")
@@ -88,7 +105,16 @@ def _rope_kernel(
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] at `positions` [T] (neox halves); returns x's dtype."""
+    """Rotate x [T, heads, head_dim] at `positions` [T] (neox halves); returns x's dtype. The
+    gradient is the plain torch rotation's."""
+    return exact_with_native_grad(
+        lambda x_: _rope_exact(x_, positions, table),
+        lambda x_: _torch_rope.rope(x_, positions.to(x_.device), table.to(x_.device)),
+        x,
+    )
+
+
+def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     t, heads, d = x.shape
     half = d // 2
     if table.shape[-1] != 2 * half:

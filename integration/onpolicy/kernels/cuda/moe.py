@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import triton
 
+from onpolicy.kernels.autograd import exact_with_native_grad
 from onpolicy.kernels.cpu.moe import combine, merge_expert_parallel, route_from_logits
 from onpolicy.kernels.cuda import linear as _linear
 from onpolicy.kernels.cuda.elementwise import silu_mul
@@ -65,7 +66,28 @@ def expert_outputs(
     local_experts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """[T, k, H] SwiGLU output of each (token, slot)'s expert, in x's dtype; slots whose expert
-    is not in `local_experts` (default: all) stay zero."""
+    is not in `local_experts` (default: all) stay zero. The gradient is a per-expert torch
+    loop's."""
+    return exact_with_native_grad(
+        lambda *a: _expert_outputs_exact(*a, topk_ids, local_experts),
+        lambda *a: _expert_outputs_native(*a, topk_ids, local_experts),
+        x, w_gate, w_up, w_down,
+    )  # fmt: skip
+
+
+def _expert_outputs_native(x, w_gate, w_up, w_down, topk_ids, local_experts):
+    t, k = topk_ids.shape
+    out = x.new_zeros(t, k, w_down.shape[1])
+    for e in range(w_gate.shape[0]) if local_experts is None else local_experts:
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        if tok.numel():
+            xe = x[tok].float()
+            h = torch.nn.functional.silu(xe @ w_gate[e].float().T) * (xe @ w_up[e].float().T)
+            out = out.index_put((tok, slot), (h @ w_down[e].float().T).to(x.dtype))
+    return out
+
+
+def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts):
     t, k = topk_ids.shape
     num_experts, hidden = w_gate.shape[0], w_down.shape[1]
     ids = topk_ids.reshape(-1).long()
