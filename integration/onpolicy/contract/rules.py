@@ -277,6 +277,7 @@ def rollout_tp_tree_exact(cfg: RunConfig) -> None:
     if ttp == rtp:
         return
     from onpolicy.kernels import K_BLOCK, row_parallel_exact
+    from onpolicy.kernels.rules import MMA_LEAF
 
     k = cfg.model.num_attention_heads * cfg.model.head_dim
     for name, tp in (("training.tp", ttp), ("rollout.tp", rtp)):
@@ -289,7 +290,7 @@ def rollout_tp_tree_exact(cfg: RunConfig) -> None:
                 "two sides' sums would differ",
                 f"set rollout.tp = training.tp = {ttp}, or use TPs where K / TP is a power of "
                 f"2 (a power-of-2 count of whole {K_BLOCK}-blocks, or on CPU a power-of-2 slice "
-                "of one)",
+                f"of one; on CUDA of whole {MMA_LEAF}-wide leaves)",
             )
 
 

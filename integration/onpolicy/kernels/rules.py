@@ -9,6 +9,11 @@ from __future__ import annotations
 K_BLOCK = 128
 """Width of one K-block of a matmul, and of one block of every other long sum."""
 
+MMA_LEAF = 512
+"""The CUDA backend's tree leaf: it sums MMA_LEAF / K_BLOCK consecutive K-blocks by chained
+tensor-core products (the hardware's order) and applies the pairwise tree above that width. On
+CUDA a row-parallel shard must therefore hold whole leaves."""
+
 KV_BLOCK = 64
 """Keys per attention block: keys [0, B), [B, 2B), ... are folded into the softmax in order."""
 
@@ -27,15 +32,15 @@ def row_parallel_exact(k: int, tp: int, device: str = "cpu") -> bool:
     True when tp is 1, or when tp is a power of 2 dividing k and each shard's width k/tp is a
     power of 2: then a shard is either a power-of-2 count of whole K-blocks or a power-of-2
     slice of the single block, an aligned subtree of the fixed pairwise tree either way.
-    On "cuda" a shard must also hold whole blocks: inside a block the tensor core's order is
-    not a pairwise tree, so a slice of one block is not a subtree there.
+    On "cuda" a shard must also hold whole MMA_LEAF-wide leaves: inside a leaf the tensor
+    core's order is not a pairwise tree, so a slice of one leaf is not a subtree there.
     Qwen3-30B-A3B's expert K = 768 at tp 2 gives 384 = 3 blocks per shard: not exact.
     """
     if tp == 1:
         return True
     if not is_power_of_2(tp) or k % tp:
         return False
-    if device == "cuda" and (k // tp) % K_BLOCK:
+    if device == "cuda" and (k // tp) % MMA_LEAF:
         return False
     return is_power_of_2(k // tp)
 

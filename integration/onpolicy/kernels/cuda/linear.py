@@ -1,14 +1,14 @@
-"""Exact linear (CUDA): fixed tiles, one tensor-core product per 128-wide K-block, the block
-partials summed by the pairwise tree.
+"""Exact linear (CUDA): fixed tiles, chained tensor-core products inside each MMA_LEAF-wide
+leaf of K, the leaf partials summed by the pairwise tree.
 
-For an output tile the kernel walks K in blocks of K_BLOCK. Each block's product starts from a
-zero accumulator (`tl.dot(a, w)`), so its bits depend only on that row of x and column of w
-inside the block: the tensor core's own order over 128 products, the same for every tile. The
-block partials are combined by the pairwise tree of `kernels.tree` with a binary-counter stack:
-after block j, partial sums of 2^i blocks sit in level i for every set bit i of j + 1, and a
-completed level is added to the one above. A power-of-2 count of aligned blocks is therefore a
-subtree, which is what row-parallel exactness needs (`rules.row_parallel_exact`, with the GPU's
-extra condition that a shard holds whole blocks).
+For an output tile the kernel walks K in chunks of K_BLOCK. A leaf (MMA_LEAF / K_BLOCK chunks)
+starts from a zero accumulator and chains its chunks' products into it (`tl.dot(a, w, acc)`),
+so its bits depend only on that row of x and column of w inside the leaf: the tensor core's own
+order, the same for every tile. The leaf partials are combined by the pairwise tree of
+`kernels.tree` with a binary-counter stack: after leaf j, partial sums of 2^i leaves sit in
+level i for every set bit i of j + 1, and a completed level is added to the one above. A
+power-of-2 count of aligned leaves is therefore a subtree, which is what row-parallel
+exactness needs (`rules.row_parallel_exact(k, tp, "cuda")`: a shard holds whole leaves).
 
 The tile shape and warp count are fixed for all M (and for the grouped MoE variant), so a row
 gets the same bits at any batch size and position. There is no split-K: splitting K over
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onpolicy.kernels.rules import K_BLOCK
+from onpolicy.kernels.rules import K_BLOCK, MMA_LEAF
 from onpolicy.kernels.tree import combine_partials
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 8, 3
@@ -30,7 +30,10 @@ the tile is small: eight warps over 64x64 hold every level up to K = 8192 withou
 (ptxas: 97 registers at K = 768, 191 at 2048, 248 at 8192)."""
 
 MAX_LEVELS = 7
-"""Levels of the stack the kernel is compiled with: K up to 2^7 blocks = 16384."""
+"""Levels of the stack the kernel is compiled with: K below 2^7 leaves."""
+
+LEAF_CHUNKS = MMA_LEAF // K_BLOCK
+"""K_BLOCK-wide chunks chained into one leaf."""
 
 
 @triton.jit
@@ -97,8 +100,9 @@ def _tree_mm_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     M, N, K, stride_xm, stride_we, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr, OUT_FP32: tl.constexpr,
-    NUM_KB: tl.constexpr, LEVELS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, LEAF: tl.constexpr, NUM_LEAVES: tl.constexpr,
+    LEVELS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if GROUPED:  # one M-tile of one expert's rows, from the tile table
@@ -120,7 +124,8 @@ def _tree_mm_kernel(
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     s0, s1, s2, s3, s4, s5, s6 = zero, zero, zero, zero, zero, zero, zero
-    for j in range(NUM_KB):
+    c = zero
+    for j in range(NUM_CHUNKS):
         kk = j * BK + rk
         if EVEN_K:  # no K mask: a mask the compiler cannot prove uniform stops pipelining
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
@@ -129,12 +134,14 @@ def _tree_mm_kernel(
             k_ok = kk < K
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        c = tl.where(j % LEAF == 0, 0.0, c)  # a leaf starts from a zero accumulator
         if IEEE:
-            c = tl.dot(a, b, input_precision="ieee")
+            c = tl.dot(a, b, c, input_precision="ieee")
         else:
-            c = tl.dot(a, b)
-        s0, s1, s2, s3, s4, s5, s6 = _push(c, s0, s1, s2, s3, s4, s5, s6, j, LEVELS)
-    acc = _fold(s0, s1, s2, s3, s4, s5, s6, NUM_KB)
+            c = tl.dot(a, b, c)
+        if (j % LEAF == LEAF - 1) | (j == NUM_CHUNKS - 1):
+            s0, s1, s2, s3, s4, s5, s6 = _push(c, s0, s1, s2, s3, s4, s5, s6, j // LEAF, LEVELS)
+    acc = _fold(s0, s1, s2, s3, s4, s5, s6, NUM_LEAVES)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
@@ -144,13 +151,13 @@ def _tree_mm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _num_kb(k: int) -> int:
-    nkb = max(1, -(-k // K_BLOCK))
-    if nkb >= 1 << MAX_LEVELS:
+def _num_leaves(k: int) -> int:
+    leaves = max(1, -(-k // MMA_LEAF))
+    if leaves >= 1 << MAX_LEVELS:
         raise ValueError(
-            f"linear: K = {k} needs {nkb} blocks; the kernel holds < {1 << MAX_LEVELS}"
+            f"linear: K = {k} needs {leaves} leaves; the kernel holds < {1 << MAX_LEVELS}"
         )
-    return nkb
+    return leaves
 
 
 def tree_mm(
@@ -179,14 +186,15 @@ def tree_mm(
     if m == 0 or n == 0 or n_tiles == 0:
         return out.zero_()
     dummy = out
-    nkb = _num_kb(k)
+    leaves = _num_leaves(k)
     te, ts, tend = tiles if grouped else (dummy, dummy, dummy)
     _tree_mm_kernel[(n_tiles, triton.cdiv(n, BLOCK_N))](
         x, weight, out, bias if bias is not None else dummy, rows if rows is not None else dummy,
         te, ts, tend, m, n, k, x.stride(0), weight.stride(0) if grouped else 0,
         weight.stride(-2), out.stride(0),
         HAS_BIAS=bias is not None, GATHER=rows is not None, GROUPED=grouped,
-        OUT_FP32=out_dtype is None, NUM_KB=nkb, LEVELS=nkb.bit_length(), EVEN_K=k % K_BLOCK == 0,
+        OUT_FP32=out_dtype is None, NUM_CHUNKS=max(1, -(-k // K_BLOCK)), LEAF=LEAF_CHUNKS,
+        NUM_LEAVES=leaves, LEVELS=leaves.bit_length(), EVEN_K=k % K_BLOCK == 0,
         BM=BLOCK_M, BN=BLOCK_N, BK=K_BLOCK, IEEE=x.dtype == torch.float32,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES if x.dtype != torch.float32 else 1,
     )  # fmt: skip
