@@ -3,7 +3,8 @@ with other sequences, anywhere in the pack), chunked prefill over a paged cache 
 size, any page layout) or one-token decode; heads split across TP ranks; backward vs SDPA.
 
 Negative controls: SDPA gives different bits for decode vs prefill, chunked vs whole, and a
-sequence packed with others (block-diagonal mask) vs alone, on the CPU and on CUDA.
+sequence packed with others (block-diagonal mask) vs alone on the CPU; on CUDA, for decode vs
+prefill.
 """
 
 from __future__ import annotations
@@ -179,15 +180,14 @@ def test_negative_control_sdpa_decode_and_chunks_differ_from_prefill(dtype):
     assert not torch.equal(torch.cat(chunks), full)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_negative_control_sdpa_packed_differs_from_alone(device):
-    """A sequence packed after another (block-diagonal mask) is tiled from a different offset;
-    on CUDA the mask also sends it to another kernel than the causal flag does."""
+def test_negative_control_sdpa_packed_differs_from_alone():
+    """A sequence packed after another (block-diagonal mask) is tiled from a different offset.
+    (CUDA SDPA happens to give the packed sequence the same bits here, so no CUDA twin.)"""
     lens = [37, 300]
     n = sum(lens)
-    q, k, v = qkv(n, 12, torch.float32, device)
-    seg = torch.repeat_interleave(torch.arange(2), torch.tensor(lens)).to(device)
-    mask = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    q, k, v = qkv(n, 12, torch.float32)
+    seg = torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
+    mask = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
     packed = sdpa(q, k, v, mask=mask)
     alone = sdpa(q[37:], k[37:], v[37:])
     assert not torch.equal(packed[37:], alone)

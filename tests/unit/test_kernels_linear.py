@@ -54,15 +54,16 @@ def test_negative_control_torch_linear_depends_on_batch_size():
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_negative_control_cublas_linear_depends_on_batch_size(device, dtype):
-    """cuBLAS picks its kernel (tiles, split-K, GEMV for one row) from the whole shape: a row's
-    bits differ between a batch of 64 and the row alone, in fp32 and bf16."""
-    x = wide(64, 4096, seed=1, dtype=dtype, device=device)
-    w = wide(256, 4096, seed=2, dtype=dtype, spread=4, device=device)
-    full = F.linear(x, w)
-    rows = torch.cat([F.linear(x[i : i + 1], w) for i in range(64)])
-    assert not torch.equal(full, rows), mismatches(full, rows)
-    exact = K.linear(x, w)
-    assert torch.equal(exact, torch.cat([K.linear(x[i : i + 1], w) for i in range(64)]))
+    """cuBLAS picks its kernel (tiles, split-K) from the whole shape: a row's bits differ between
+    a batch of 2048 and the row alone, in fp32 and bf16."""
+    x = wide(2048, 4096, seed=1, dtype=dtype, device=device)
+    w = wide(4096, 4096, seed=2, dtype=dtype, spread=4, device=device)
+    rows = range(0, 2048, 128)
+    full = F.linear(x, w)[rows]
+    alone = torch.cat([F.linear(x[i : i + 1], w) for i in rows])
+    assert not torch.equal(full, alone), mismatches(full, alone)
+    exact = K.linear(x, w)[rows]
+    assert torch.equal(exact, torch.cat([K.linear(x[i : i + 1], w) for i in rows]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
