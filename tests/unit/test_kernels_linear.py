@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from adversarial import CUDA, DEVICES, DTYPES, PROPERTY, wide
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from onpolicy import kernels as K
 
@@ -88,13 +88,13 @@ def shards(x: torch.Tensor, w: torch.Tensor, tp: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
-    k=st.sampled_from([64, 128, 256, 512, 1024, 2048]),
+    k=st.sampled_from([64, 128, 256, 512, 1024, 2048, 4096]),
     tp=st.sampled_from([1, 2, 4, 8]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
 def test_row_parallel_partials_combine_to_the_unsharded_bits(device, k, tp, dtype, seed):
-    assert K.row_parallel_exact(k, tp)
+    assume(K.row_parallel_exact(k, tp, device))  # CUDA also needs whole MMA leaves per shard
     x = wide(6, k, seed=seed, dtype=dtype, device=device)
     w, b = wide(10, k, seed=seed + 1, dtype=dtype, device=device), None
     if seed % 2:
@@ -139,6 +139,24 @@ def test_row_parallel_exact_rule(k, tp, exact):
     assert K.row_parallel_exact(k, tp) is exact
 
 
+@pytest.mark.parametrize(
+    ("k", "tp", "exact"),
+    [
+        (4096, 8, True),  # o_proj at TP 8: one 512-wide leaf per shard
+        (4096, 2, True),
+        (2048, 4, True),
+        (2048, 8, False),  # 256 per shard: half a leaf, inside the tensor core's chain
+        (1024, 4, False),
+        (64, 8, False),  # exact on CPU (element tree), not on CUDA
+        (768, 1, True),
+        (1536, 3, False),
+    ],
+)
+def test_row_parallel_exact_rule_on_cuda(k, tp, exact):
+    """The CUDA backend's leaves are chained MMAs, so a shard must hold whole leaves."""
+    assert K.row_parallel_exact(k, tp, "cuda") is exact
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("k", "tp"), [(768, 2), (768, 4), (1536, 2), (96, 2)])
 def test_inexact_shapes_really_differ_and_stay_deterministic(device, k, tp):
@@ -161,7 +179,7 @@ def test_rule_agrees_with_the_kernel_for_every_small_shape(device):
             same = torch.equal(
                 K.row_parallel_linear(x[:, :k], w[:, :k], tp), K.linear(x[:, :k], w[:, :k])
             )
-            if K.row_parallel_exact(k, tp):
+            if K.row_parallel_exact(k, tp, device):
                 assert same, (k, tp)
 
 

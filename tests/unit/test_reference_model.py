@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from adversarial import DEVICES
 from onpolicy.models import TinyConfig, write_tiny_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 from onpolicy.models.reference import PagedKVCache, Qwen3MoeReference, Request
@@ -36,9 +37,11 @@ def checkpoints(tmp_path_factory) -> dict[str, object]:
     return {dt: write_tiny_checkpoint(root / dt, TinyConfig(dtype=dt), seed=0) for dt in DTYPES}
 
 
-@pytest.fixture(scope="module")
-def models(checkpoints) -> dict[str, Qwen3MoeReference]:
-    return {dt: Qwen3MoeReference.from_pretrained(p) for dt, p in checkpoints.items()}
+@pytest.fixture(scope="module", params=DEVICES)
+def models(checkpoints, request) -> dict[str, Qwen3MoeReference]:
+    """The tiny model per dtype, on each device (the cuda case runs the Triton backend)."""
+    return {dt: Qwen3MoeReference.from_pretrained(p).to(request.param)
+            for dt, p in checkpoints.items()}  # fmt: skip
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -96,7 +99,7 @@ def test_score_matches_hf_transformers(checkpoints, models, dtype):
         with torch.no_grad():
             logits = hf(s[None]).logits[0, :-1].float()
         ref = torch.log_softmax(logits, -1).gather(-1, s[1:, None])[:, 0]
-        diffs.append((lp - ref).abs())
+        diffs.append((lp.cpu() - ref).abs())
     d = torch.cat(diffs)
     if dtype == "float32":
         assert d.max() < 1e-4, f"max |ours - hf| = {d.max():.2e}"
@@ -116,7 +119,7 @@ def test_decode_logprobs_equal_score_logprobs_over_100_tokens(models, dtype):
     for r, lp in zip(reqs, scored, strict=True):
         assert len(r.output) == 110
         decoded = torch.tensor(r.logprobs, dtype=torch.float32)
-        from_score = lp[len(r.prompt) - 1 :]
+        from_score = lp[len(r.prompt) - 1 :].cpu()
         equal = decoded == from_score
         assert bool(equal.all()), (
             f"request {r.rid}: {int((~equal).sum())}/{len(equal)} tokens differ, first at "
@@ -128,7 +131,9 @@ def test_greedy_decode_equals_score(models):
     model = models["bfloat16"]
     reqs = model.generate(prompts(2, seed=3), max_new_tokens=40, temperature=0.0)
     for r, lp in zip(reqs, model.score([r.tokens for r in reqs]), strict=True):
-        assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), lp[len(r.prompt) - 1 :])
+        assert torch.equal(
+            torch.tensor(r.logprobs, dtype=torch.float32), lp[len(r.prompt) - 1 :].cpu()
+        )
 
 
 # --- batch, chunk and page layout independence -------------------------------------------------
@@ -154,7 +159,7 @@ def test_requests_can_join_a_running_batch(models):
     """A request prefilled while another is mid-decode gets the bits it gets alone."""
     model = models["bfloat16"]
     ps = prompts(2, seed=6)
-    cache = PagedKVCache(model.cfg, model.dtype, page_size=16, num_pages=16)
+    cache = PagedKVCache(model.cfg, model.dtype, page_size=16, num_pages=16, device=model.device)
     a = Request(rid=1, prompt=ps[0], temperature=1.0, seed=3)
     b = Request(rid=2, prompt=ps[1], temperature=1.0, seed=3)
     model.prefill([a], cache)
