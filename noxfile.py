@@ -8,6 +8,7 @@ nox -s build -- --gpu        the same with the CUDA dependency set (GPU hosts)
 nox -s patches               apply both patch series into build/upstream/ and check them
 nox -s lint                  pre-commit: ruff, ruff-format, patch check
 nox -s bench                 benchmarks (collective bytes per rank), recorded in docs/benchmarks.md
+nox -s bench -- --gpu        the exact kernels vs cuBLAS/SDPA and the full-size check (CUDA host)
 nox -s e2e                   the GRPO loop (not built yet; see README)
 """
 
@@ -100,7 +101,7 @@ def build(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The CPU test suite on the real patched engines."""
-    _install(session)
+    _install(session, gpu="gpu" in session.posargs)  # `-- -m gpu`: the CUDA dependency set
     args = session.posargs or ["-m", "not gpu"]
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     session.run("python", "-m", "pytest", *args, env=env)
@@ -122,7 +123,17 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11", default=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (not timed tests): bytes per rank of the exact collectives vs ring/reference."""
+    """Benchmarks (not timed tests), recorded in docs/benchmarks.md: bytes per rank of the exact
+    collectives; with `-- --gpu` (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch and
+    the full-size prefill == decode check instead."""
+    if "--gpu" in session.posargs:
+        args = [a for a in session.posargs if a != "--gpu"]
+        session.install("torch", "triton", "numpy", "safetensors")
+        session.install("--no-deps", "-e", ".")
+        out = ["--out", str(ROOT / "docs/benchmarks.md")]
+        session.run("python", "-m", "onpolicy.bench.kernels", *out, *args)
+        session.run("python", "-m", "onpolicy.bench.fullsize", "--native", *out)
+        return
     session.install(TORCH_CPU)
     session.install("-c", str(TORCH_CONSTRAINT), "numpy")
     session.install("--no-deps", "-e", ".")

@@ -93,17 +93,29 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--native", action="store_true", help="also run the plain-torch control")
+    ap.add_argument("--out", help="append the result as a dated section to this markdown file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("onpolicy.bench.fullsize needs a CUDA device (the model is ~61 GB)")
     cfg = dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     model = Qwen3MoeReference.random(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
     gib = sum(p.numel() for p in model.parameters()) * 2 / 2**30
-    print(f"device: {torch.cuda.get_device_name()}, weights {gib:.1f} GiB", flush=True)
+    head = (
+        f"## Full-size prefill == decode, {time.strftime('%Y-%m-%d', time.gmtime())}, "
+        f"{torch.cuda.get_device_name()}\n\nQwen3-30B-A3B shape, {cfg.num_hidden_layers} layers, "
+        f"random bf16 weights ({gib:.1f} GiB); torch {torch.__version__}; "
+        f"`python -m onpolicy.bench.fullsize{' --native' if args.native else ''}`\n"
+    )
+    print(head, flush=True)
+    lines = []
     for native in (False, True) if args.native else (False,):
         res = run(cfg, requests=args.requests, new_tokens=args.new_tokens, native=native,
                   model=model)  # fmt: skip
-        print(res.line(), flush=True)
+        lines.append(f"- {res.line()}")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + head + "\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
