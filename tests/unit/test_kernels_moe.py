@@ -187,8 +187,10 @@ def test_matches_a_plain_moe_and_backward_matches_autograd(device, dtype):
         h = F.silu(torch.einsum("th,tih->ti", xr, ref_in["w_gate"][e]))
         h = h * torch.einsum("th,tih->ti", xr, ref_in["w_up"][e])
         ref = ref + probs[:, s, None] * torch.einsum("ti,thi->th", h, ref_in["w_down"][e])
-    # bf16 rounds every intermediate, so it is held to a relative error in norm.
-    rel = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    # bf16 rounds every intermediate, so it is held to a relative error in norm. On CUDA the
+    # fp32 gradients come from cuBLAS, whose sums over wide-exponent inputs run in another
+    # order than the reference's einsum: 1.6e-5 was seen, so fp32 is held to 1e-4 there.
+    rel = 5e-2 if dtype == torch.bfloat16 else (1e-4 if device == "cuda" else 1e-5)
 
     def close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
         err = float((ours.detach().float() - theirs.detach()).norm() / theirs.detach().norm())

@@ -97,9 +97,9 @@ def _fold(s0, s1, s2, s3, s4, s5, s6, n: tl.constexpr):
 
 @triton.jit
 def _tree_mm_kernel(
-    x_ptr, w_ptr, out_ptr, bias_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    x_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     M, N, K, stride_xm, stride_we, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr, OUT_FP32: tl.constexpr,
+    GATHER: tl.constexpr, GROUPED: tl.constexpr, OUT_FP32: tl.constexpr,
     NUM_CHUNKS: tl.constexpr, LEAF: tl.constexpr, NUM_LEAVES: tl.constexpr,
     LEVELS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, IEEE: tl.constexpr,
@@ -142,8 +142,6 @@ def _tree_mm_kernel(
         if (j % LEAF == LEAF - 1) | (j == NUM_CHUNKS - 1):
             s0, s1, s2, s3, s4, s5, s6 = _push(c, s0, s1, s2, s3, s4, s5, s6, j // LEAF, LEVELS)
     acc = _fold(s0, s1, s2, s3, s4, s5, s6, NUM_LEAVES)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if OUT_FP32:
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -161,8 +159,7 @@ def _num_leaves(k: int) -> int:
 
 
 def tree_mm(
-    x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, rows: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, rows: torch.Tensor | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     out_rows: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
@@ -189,10 +186,10 @@ def tree_mm(
     leaves = _num_leaves(k)
     te, ts, tend = tiles if grouped else (dummy, dummy, dummy)
     _tree_mm_kernel[(n_tiles, triton.cdiv(n, BLOCK_N))](
-        x, weight, out, bias if bias is not None else dummy, rows if rows is not None else dummy,
+        x, weight, out, rows if rows is not None else dummy,
         te, ts, tend, m, n, k, x.stride(0), weight.stride(0) if grouped else 0,
         weight.stride(-2), out.stride(0),
-        HAS_BIAS=bias is not None, GATHER=rows is not None, GROUPED=grouped,
+        GATHER=rows is not None, GROUPED=grouped,
         OUT_FP32=out_dtype is None, NUM_CHUNKS=max(1, -(-k // K_BLOCK)), LEAF=LEAF_CHUNKS,
         NUM_LEAVES=leaves, LEVELS=leaves.bit_length(), EVEN_K=k % K_BLOCK == 0,
         BM=BLOCK_M, BN=BLOCK_N, BK=K_BLOCK, IEEE=x.dtype == torch.float32,
@@ -230,11 +227,14 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): bias added in fp32 and one rounding, fused into the kernel."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    """x @ weight.T (+ bias): the cast is fused into the kernel when there is no bias. A bias
+    is added to the fp32 partial outside it (`combine_partials`): fused, the compiler may
+    contract it into the last fp32 product and change the bits."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if bias is not None or grad:
         return combine_partials([linear_partial(x, weight)], x.dtype, bias)
     flat = x.reshape(-1, x.shape[-1])
-    out = tree_mm(flat, weight, bias=bias, out_dtype=x.dtype)
+    out = tree_mm(flat, weight, out_dtype=x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
