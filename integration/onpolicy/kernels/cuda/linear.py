@@ -159,7 +159,8 @@ def _num_leaves(k: int) -> int:
 
 
 def tree_mm(
-    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, rows: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+    rows: torch.Tensor | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     out_rows: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
