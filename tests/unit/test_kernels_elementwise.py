@@ -70,13 +70,14 @@ def test_negative_control_torch_rms_norm_happens_to_be_row_invariant():
 
 
 @pytest.mark.parametrize("device", CUDA)
-def test_negative_control_cuda_rms_norm_depends_on_batch_size(device):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_control_cuda_rms_norm_depends_on_batch_size(device, dtype):
     """torch's CUDA reduction sizes its thread block from the number of rows as well as their
     length: a row alone is split over more threads than each of 48 rows, so the plain RMSNorm's
-    fp32 mean square gets other bits. (bf16 rows squared in fp32 happened to agree on an H200,
-    so the control uses fp32 rows.)"""
-    x = wide(48, 4096, seed=4, device=device)
-    w = wide(4096, seed=5, spread=1, device=device)
+    fp32 mean square gets other bits (10 of 48 rows from fp32 inputs, 13 from bf16, on an
+    H200). The plain output rounded back to bf16 can hide that, so the control checks the sum."""
+    x = wide(48, 4096, seed=4, dtype=dtype, device=device)
+    w = wide(4096, seed=5, dtype=dtype, spread=1, device=device)
     ms = x.float().pow(2).mean(-1)
     assert not torch.equal(ms, each_row_alone(lambda a: a.float().pow(2).mean(-1), x))
     exact = K.rms_norm(x, w, 1e-6)
