@@ -1,11 +1,19 @@
 """Exact forward, native backward: the value comes from the exact op, the gradient from the
-ordinary torch op recomputed in backward. Only the forward has to be reproducible."""
+ordinary torch op recomputed in backward. Only the forward has to be reproducible.
+
+Also the pieces of the linear every backend shares: the autograd wrapper of an exact fp32
+matmul, and the row-parallel composition of shard partials."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+from onpolicy.kernels.tree import combine_partials
+
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""An exact x [M, K] @ w [N, K].T -> fp32 [M, N], the backend's own kernel."""
 
 
 class _ExactForwardNativeBackward(torch.autograd.Function):
@@ -35,3 +43,44 @@ def exact_with_native_grad(
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _ExactForwardNativeBackward.apply(exact_fn, native_fn, *inputs)
     return exact_fn(*inputs)
+
+
+class _LinearPartial(torch.autograd.Function):
+    """Exact fp32 forward by the backend's matmul; the native matmul gradient backward."""
+
+    @staticmethod
+    def forward(ctx, matmul: Matmul, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        flat = x.reshape(-1, x.shape[-1])
+        return matmul(flat, weight).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = gw = None
+        if ctx.needs_input_grad[1]:
+            gx = (g @ weight.float()).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[2]:
+            gw = (g.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return None, gx, gw
+
+
+def linear_partial(matmul: Matmul, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ weight.T over this weight's K by `matmul`: no bias, not rounded."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear: x has K={x.shape[-1]}, weight [N, K] has K={weight.shape[-1]}")
+    return _LinearPartial.apply(matmul, x, weight)
+
+
+def row_parallel_linear(
+    partial: Matmul, x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`tp` contiguous K-shards' `partial`s combined by the tree, in one process."""
+    k = x.shape[-1]
+    if k % tp:
+        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
+    s = k // tp
+    parts = [partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s])
+             for i in range(tp)]  # fmt: skip
+    return combine_partials(parts, x.dtype, bias)

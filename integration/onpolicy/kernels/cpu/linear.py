@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from onpolicy.kernels import autograd as _shared
 from onpolicy.kernels.rules import K_BLOCK
 from onpolicy.kernels.tree import combine_partials, tree_sum
 
@@ -39,36 +40,13 @@ def _tree_matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs)
 
 
-class _LinearPartial(torch.autograd.Function):
-    """Exact fp32 forward; the native matmul gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        flat = x.reshape(-1, x.shape[-1])
-        return _tree_matmul_fp32(flat, weight).view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = (g @ weight.float()).to(x.dtype).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            gw = (g.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        return gx, gw
-
-
 def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x @ weight.T over this weight's K only: the block tree, no bias, not rounded.
 
     weight is [N, K] (a row-parallel shard holds a K-slice). The result feeds
     `combine_partials` (or a tree all-reduce over ranks, then the same bias-and-cast).
     """
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"linear: x has K={x.shape[-1]}, weight [N, K] has K={weight.shape[-1]}")
-    return _LinearPartial.apply(x, weight)
+    return _shared.linear_partial(_tree_matmul_fp32, x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,10 +60,4 @@ def row_parallel_linear(
     """The row-parallel result at `tp` shards, in one process: what `tp` ranks plus the tree
     all-reduce compute. Equals `linear` when `row_parallel_exact(K, tp)`; otherwise it is the
     bits every engine cut at the same `tp` agrees on."""
-    k = x.shape[-1]
-    if k % tp:
-        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
-    s = k // tp
-    parts = [linear_partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s])
-             for i in range(tp)]  # fmt: skip
-    return combine_partials(parts, x.dtype, bias)
+    return _shared.row_parallel_linear(linear_partial, x, weight, tp, bias)

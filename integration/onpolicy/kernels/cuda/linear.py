@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from onpolicy.kernels import autograd as _shared
 from onpolicy.kernels.rules import K_BLOCK, MMA_LEAF
 from onpolicy.kernels.tree import combine_partials
 
@@ -199,32 +200,9 @@ def tree_mm(
     return out
 
 
-class _LinearPartial(torch.autograd.Function):
-    """Exact fp32 forward; the native matmul gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        flat = x.reshape(-1, x.shape[-1])
-        return tree_mm(flat, weight).view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = (g @ weight.float()).to(x.dtype).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            gw = (g.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        return gx, gw
-
-
 def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 x @ weight.T over this weight's K: the block tree, no bias, not rounded."""
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"linear: x has K={x.shape[-1]}, weight [N, K] has K={weight.shape[-1]}")
-    return _LinearPartial.apply(x, weight)
+    """fp32 x @ weight.T over this weight's K: the leaf tree, no bias, not rounded."""
+    return _shared.linear_partial(tree_mm, x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,10 +221,4 @@ def row_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`tp` row-parallel shards plus the tree combine, in one process."""
-    k = x.shape[-1]
-    if k % tp:
-        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
-    s = k // tp
-    parts = [linear_partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s])
-             for i in range(tp)]  # fmt: skip
-    return combine_partials(parts, x.dtype, bias)
+    return _shared.row_parallel_linear(linear_partial, x, weight, tp, bias)
