@@ -57,6 +57,11 @@ class Result:
         )
 
 
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+
+
 def run(
     cfg: Qwen3MoeConfig = QWEN3_30B_A3B, *, requests: int = 8, new_tokens: int = 16,
     chunk_size: int = 256, seed: int = 0, native: bool = False, device: str = "cuda",
@@ -72,10 +77,10 @@ def run(
         t0 = time.perf_counter()
         reqs = model.generate(prompts, max_new_tokens=new_tokens, temperature=1.0, seed=seed,
                               chunk_size=chunk_size)  # fmt: skip
-        torch.cuda.synchronize(device) if device != "cpu" else None
+        _sync(device)
         t1 = time.perf_counter()
         scored = model.score([r.prompt + r.output for r in reqs])
-        torch.cuda.synchronize(device) if device != "cpu" else None
+        _sync(device)
         t2 = time.perf_counter()
     tokens = equal = 0
     for r, s in zip(reqs, scored, strict=True):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from onpolicy.kernels.cpu.logprob import scale_logits
+from onpolicy.kernels.cpu.moe import merge_expert_parallel as merge_expert_parallel  # a selection
 
 
 # --- matmul -----------------------------------------------------------------------------------
@@ -181,14 +182,6 @@ def expert_outputs(
     for e, tok, slot in _by_expert(topk_ids, w_gate.shape[0], local_experts):
         out[tok, slot] = _swiglu(x[tok], w_gate[e], w_up[e], w_down[e])
     return out
-
-
-def merge_expert_parallel(
-    per_rank: Sequence[torch.Tensor], topk_ids: torch.Tensor, owner: torch.Tensor
-) -> torch.Tensor:
-    stacked = torch.stack(list(per_rank))  # [R, T, k, H]
-    pick = owner[topk_ids][None, ..., None].expand(1, *stacked.shape[1:])
-    return stacked.gather(0, pick)[0]
 
 
 def combine(

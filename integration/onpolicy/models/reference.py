@@ -127,8 +127,8 @@ class Qwen3MoeReference(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, dtype)
         model.to_empty(device=device)
-        model.rope_table = K.rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        model.rope_table = model.rope_table.to(device)
+        table = K.rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        model.rope_table = table.to(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         for name, p in model.named_parameters():
             if name.endswith(("norm", "layernorm")):

@@ -106,9 +106,15 @@ def attention(
     Sequence i is rows cu_seqlens[i]:cu_seqlens[i+1], each starting at position 0. The gradient
     is the native SDPA's.
     """
+    return varlen_with_native_grad(_varlen_exact, q, k, v, cu_seqlens, scale)
+
+
+def varlen_with_native_grad(exact_varlen, q, k, v, cu_seqlens, scale):
+    """`exact_varlen(q, k, v, cu_seqlens, scale)` as the value, per-sequence SDPA's gradient:
+    the packed-attention entry point of every backend."""
     sc = _scale(q, scale)
     return exact_with_native_grad(
-        lambda q_, k_, v_: _varlen_exact(q_, k_, v_, cu_seqlens, sc),
+        lambda q_, k_, v_: exact_varlen(q_, k_, v_, cu_seqlens, sc),
         lambda q_, k_, v_: _varlen_native(q_, k_, v_, cu_seqlens, sc),
         q, k, v,
     )  # fmt: skip

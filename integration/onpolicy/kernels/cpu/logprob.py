@@ -15,12 +15,16 @@ not 1) and rounded back to the logits' dtype, then the fp32 log-softmax.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from onpolicy.kernels.rules import K_BLOCK, vocab_parallel_exact, vocab_segments
 from onpolicy.kernels.tree import pairwise_tree_sum, tree_sum
+
+SumExp = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""(x [..., W] fp32, full-vocab max [...], segments) -> the tree sum of exp(x - max) over
+x's segments: the one piece each backend computes its own way."""
 
 
 def _segment_sums(e: torch.Tensor, n_segments: int) -> torch.Tensor:
@@ -39,12 +43,17 @@ def sumexp_partial(shard: torch.Tensor, vmax: torch.Tensor, n_segments: int) -> 
     return pairwise_tree_sum(sums.movedim(-1, 0))
 
 
+def logsumexp(xf: torch.Tensor, sumexp: SumExp | None = None) -> torch.Tensor:
+    """fp32 log-sum-exp over the last dim: max, then the backend's segment sums (`sumexp`,
+    default this module's) combined by the tree."""
+    vmax = xf.amax(dim=-1).detach()
+    return vmax + torch.log((sumexp or sumexp_partial)(xf, vmax, vocab_segments(xf.shape[-1])))
+
+
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """fp32 log-softmax over the last dim, in the fixed segment-tree order."""
     xf = x.float()
-    vmax = xf.amax(dim=-1).detach()
-    lse = vmax + torch.log(sumexp_partial(xf, vmax, vocab_segments(x.shape[-1])))
-    return xf - lse[..., None]
+    return xf - logsumexp(xf)[..., None]
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -63,10 +72,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def vocab_parallel_token_logprobs(
-    shards: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+    shards: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float = 1.0,
+    sumexp: SumExp | None = None,
+) -> torch.Tensor:  # fmt: skip
     """`token_logprobs` from the LM head's vocab shards [T, V/tp] (in one process): what tp
-    ranks compute with a max all-reduce and a tree all-reduce of `sumexp_partial`.
+    ranks compute with a max all-reduce and a tree all-reduce of `sumexp_partial` (or the
+    backend's `sumexp`).
 
     Each shard must be a whole number of segments (`rules.vocab_parallel_exact`); then the
     result equals `token_logprobs` on the concatenated logits bit for bit.
@@ -82,8 +93,9 @@ def vocab_parallel_token_logprobs(
     xs = [scale_logits(s, temperature).float() for s in shards]
     vmax = torch.stack([x.amax(dim=-1) for x in xs]).amax(dim=0).detach()
     per_shard = vocab_segments(vocab) // tp
-    total = pairwise_tree_sum([sumexp_partial(x, vmax, per_shard) for x in xs])
+    total = pairwise_tree_sum([(sumexp or sumexp_partial)(x, vmax, per_shard) for x in xs])
     lse = vmax + torch.log(total)
-    owner, local = tokens.long() // width, tokens.long() % width
+    tokens = tokens.to(xs[0].device).long()
+    owner, local = tokens // width, tokens % width
     picked = torch.stack([x.gather(-1, local[..., None])[..., 0] for x in xs])
     return picked.gather(0, owner[None])[0] - lse

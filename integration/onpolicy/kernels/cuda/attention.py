@@ -18,15 +18,13 @@ depend on the batch, the chunking, or prefill vs decode. The KV is never split a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from onpolicy.kernels.autograd import exact_with_native_grad
-from onpolicy.kernels.cpu.attention import _spans, _varlen_native
+from onpolicy.kernels.cpu.attention import _scale, _spans, varlen_with_native_grad
 from onpolicy.kernels.rules import KV_BLOCK
 
 BLOCK_M, NUM_WARPS, NUM_STAGES = 64, 4, 2
@@ -133,10 +131,6 @@ def _launch(q, k_rows, v_rows, q_starts, n_new, kv_lens, kv_base, pages, page_si
     return out
 
 
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -158,12 +152,7 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention over packed sequences: q [T, Hq, D], k, v [T, Hkv, D]; the gradient is
     the native SDPA's."""
-    sc = _scale(q, scale)
-    return exact_with_native_grad(
-        lambda q_, k_, v_: _varlen_exact(q_, k_, v_, cu_seqlens, sc),
-        lambda q_, k_, v_: _varlen_native(q_, k_, v_, cu_seqlens, sc),
-        q, k, v,
-    )  # fmt: skip
+    return varlen_with_native_grad(_varlen_exact, q, k, v, cu_seqlens, scale)
 
 
 def paged_attention(

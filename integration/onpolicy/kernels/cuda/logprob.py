@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from onpolicy.kernels.autograd import exact_with_native_grad
-from onpolicy.kernels.cpu.logprob import scale_logits
-from onpolicy.kernels.rules import vocab_parallel_exact, vocab_segments
+from onpolicy.kernels.cpu.logprob import logsumexp, scale_logits
+from onpolicy.kernels.cpu.logprob import vocab_parallel_token_logprobs as vocab_parallel
 from onpolicy.kernels.tree import pairwise_tree_sum
 
 CHUNK = 1024
@@ -40,29 +40,22 @@ def _segment_sumexp_kernel(x_ptr, vmax_ptr, out_ptr, width, stride_x, n_seg, BLO
 
 def sumexp_partial(shard: torch.Tensor, vmax: torch.Tensor, n_segments: int) -> torch.Tensor:
     """A vocab shard's share of S: its `n_segments` segments of exp(x - vmax), tree-summed.
-    shard [T, W], vmax [T] fp32 (the max over the full vocab)."""
-    t, w = shard.shape
-    x = shard if shard.stride(-1) == 1 else shard.contiguous()
+    shard [..., W], vmax [...] fp32 (the max over the full vocab)."""
+    x = shard.reshape(-1, shard.shape[-1])
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t, w = x.shape
     sums = torch.empty(t, n_segments, dtype=torch.float32, device=shard.device)
     if t:
         _segment_sumexp_kernel[(t, n_segments)](
-            x, vmax.float().contiguous(), sums, w // n_segments, x.stride(0), n_segments,
-            BLOCK=CHUNK, num_warps=4,
+            x, vmax.float().reshape(-1).contiguous(), sums, w // n_segments, x.stride(0),
+            n_segments, BLOCK=CHUNK, num_warps=4,
         )  # fmt: skip
-    return pairwise_tree_sum(sums.movedim(-1, 0))
-
-
-def _lse(xf: torch.Tensor) -> torch.Tensor:
-    flat = xf.reshape(-1, xf.shape[-1])
-    vmax = flat.amax(dim=-1)
-    return (vmax + torch.log(sumexp_partial(flat, vmax, vocab_segments(flat.shape[-1])))).view(
-        xf.shape[:-1]
-    )
+    return pairwise_tree_sum(sums.movedim(-1, 0)).view(shard.shape[:-1])
 
 
 def _log_softmax_exact(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
-    return xf - _lse(xf)[..., None]
+    return xf - logsumexp(xf, sumexp_partial)[..., None]
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +72,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
     def exact(x: torch.Tensor) -> torch.Tensor:
         xf = scale_logits(x, temperature).float()
-        return xf.gather(-1, idx)[..., 0] - _lse(xf)
+        return xf.gather(-1, idx)[..., 0] - logsumexp(xf, sumexp_partial)
 
     def native(x: torch.Tensor) -> torch.Tensor:
         lp = torch.log_softmax(scale_logits(x, temperature).float(), -1)
@@ -92,20 +85,6 @@ def vocab_parallel_token_logprobs(
     shards: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """`token_logprobs` from vocab shards [T, V/tp], combined as tp ranks would: equal to the
-    full one bit for bit when each shard holds whole segments."""
-    tp = len(shards)
-    width = shards[0].shape[-1]
-    vocab = width * tp
-    if any(s.shape[-1] != width for s in shards) or not vocab_parallel_exact(vocab, tp):
-        raise ValueError(
-            f"vocab_parallel_token_logprobs: {tp} shards of a {vocab}-wide vocab do not each hold "
-            f"whole segments ({vocab_segments(vocab)} segments); use tp dividing that count"
-        )
-    xs = [scale_logits(s.detach(), temperature).float() for s in shards]  # forward only
-    vmax = torch.stack([x.amax(dim=-1) for x in xs]).amax(dim=0)
-    per_shard = vocab_segments(vocab) // tp
-    lse = vmax + torch.log(pairwise_tree_sum([sumexp_partial(x, vmax, per_shard) for x in xs]))
-    tokens = tokens.to(xs[0].device).long()
-    owner, local = tokens // width, tokens % width
-    picked = torch.stack([x.gather(-1, local[..., None])[..., 0] for x in xs])
-    return picked.gather(0, owner[None])[0] - lse
+    full one bit for bit when each shard holds whole segments (forward only)."""
+    detached = [s.detach() for s in shards]
+    return vocab_parallel(detached, tokens, temperature, sumexp=sumexp_partial)
