@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import settings
-from onpolicy.bits import assert_bitwise, bitwise_equal, mismatch_report, n_differ
-
-__all__ = ["assert_bitwise", "bitwise_equal", "mismatch_report", "n_differ"]
+from onpolicy.bits import assert_bitwise, bitwise_equal, mismatch_report, n_differ  # noqa: F401
 
 DTYPES = [torch.bfloat16, torch.float32]
 PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
