@@ -9,7 +9,7 @@ import sys
 
 USAGE = (
     "usage: onpolicy upstream {fetch,apply,export,check,rebase,status} ...\n"
-    "       onpolicy validate --config FILE [--json]"
+    "       onpolicy validate --config FILE [--set KEY=VALUE ...] [--json]"
 )
 
 
@@ -20,12 +20,23 @@ def validate_main(argv: list[str]) -> int:
         description="Check a run config against qwen3_moe_true_on_policy_v1 and print the plan.",
     )
     ap.add_argument("--config", required=True, help="TOML run config, e.g. configs/tiny-cpu.toml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (TOML value), e.g. --set training.tp=4 or "
+                    "--set model.hf_path=/data/Qwen3-30B-A3B; wins over the file")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
-    from onpolicy.contract import ContractError, format_plan, load_config, plan_dict, resolve_plan
+    from onpolicy.contract import (
+        ContractError,
+        format_plan,
+        load_config,
+        parse_override,
+        plan_dict,
+        resolve_plan,
+    )
 
     try:
-        cfg = load_config(args.config)
+        overrides = dict(parse_override(item) for item in args.set)
+        cfg = load_config(args.config, overrides)
         plan = resolve_plan(cfg)
     except ContractError as e:
         print(f"onpolicy validate: {args.config}: {e}", file=sys.stderr)

@@ -29,21 +29,52 @@ def test_tiny_plan(capsys: pytest.CaptureFixture[str]) -> None:
         "megatron args  --tensor-model-parallel-size 2",
         "--distributed-backend gloo",
         "sglang args    Engine(tp_size=2, ep_size=2",
-        "training env   OMP_NUM_THREADS=1",
-        "rollout env    OMP_NUM_THREADS=1",
+        "training env   ATEN_CPU_CAPABILITY=avx2",
+        "rollout env    ATEN_CPU_CAPABILITY=avx2",
+        "  ATEN_CPU_CAPABILITY: torch's CPU vector kernels",
+        "model     tiny (seed 0): 4 layers, hidden 64",
     ]:
         assert needle in out, f"{needle!r} not in:\n{out}"
     rank_lines = out.split("training ranks")[1].split("rollout ranks")[0].strip().splitlines()
     assert len(rank_lines) == 1 + 4  # header + one line per trainer rank
 
 
-def test_published_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", "--config", str(PUBLISHED), "--json"]) == 0
+@pytest.fixture
+def published_checkpoint(tmp_path: Path) -> Path:
+    """A folder holding only the published Qwen3-30B-A3B config.json: all validate reads."""
+    from onpolicy.models import QWEN3_30B_A3B
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B.to_hf()))
+    return tmp_path
+
+
+def test_published_plan_json(published_checkpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = f"model.hf_path={published_checkpoint}"
+    assert main(["validate", "--config", str(PUBLISHED), "--set", hf, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["engines"], plan["gpus_per_engine"], plan["backend"]) == (4, 2, "nccl")
     assert len(plan["training_ranks"]) == len(plan["rollout_ranks"]) == 8
-    assert plan["rollout_env"]["NCCL_ALGO"] == "Ring"
+    assert plan["rollout_env"] == {}
     assert "--sequence-parallel" in plan["megatron_args"]
+
+
+def test_published_config_without_its_checkpoint_names_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bad = "model.hf_path=/nonexistent/ckpt"
+    assert main(["validate", "--config", str(PUBLISHED), "--set", bad]) == 2
+    err = capsys.readouterr().err
+    assert "[model_source] model.hf_path = '/nonexistent/ckpt': no config.json" in err
+
+
+def test_overrides_win_over_the_file(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["validate", "--config", str(TINY), "--set", "training.world=8",
+            "--set", "rollout.engines=4", "--set", "model.tiny.num_experts=16"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "training  world 8: TP2 PP1 EP2 ETP1 SP DP4" in out and "16 experts top-2" in out
+    assert main(["validate", "--config", str(TINY), "--set", "training.tp"]) == 2
+    assert "[config_override] --set 'training.tp' is not KEY=VALUE" in capsys.readouterr().err
 
 
 def test_broken_config_exits_2_with_the_rule(
@@ -70,7 +101,7 @@ def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_usage_and_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
-    assert "onpolicy validate --config FILE" in capsys.readouterr().out
+    assert "onpolicy validate --config FILE [--set KEY=VALUE ...]" in capsys.readouterr().out
     assert main(["nope"]) == 2
     assert "known: upstream, validate" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:

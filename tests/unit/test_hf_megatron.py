@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from onpolicy.checkpoint.hf_megatron import RankCoords, hf_to_megatron
-from onpolicy.models import TinyConfig, write_tiny_checkpoint
+from onpolicy.checkpoint.hf_megatron import hf_to_megatron
+from onpolicy.layout import ParallelLayout
+from onpolicy.models import tiny as tiny_shape
+from onpolicy.models import write_tiny_checkpoint
 from onpolicy.models.hf_layout import load_hf_state_dict
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
@@ -25,7 +27,7 @@ def test_missing_and_misshaped_tensors_are_named(tiny):
     del bad["model.layers.2.mlp.experts.5.up_proj.weight"]
     bad["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
     with pytest.raises(ValueError) as e:
-        hf_to_megatron(cfg, bad, RankCoords(), torch.float32)
+        hf_to_megatron(cfg, bad, ParallelLayout(world=1), 0, torch.float32)
     msg = str(e.value)
     assert "1 missing, e.g. model.layers.2.mlp.experts.5.up_proj.weight" in msg
     assert "model.layers.0.self_attn.k_proj.weight (3, 64) (config wants (32, 64))" in msg
@@ -34,30 +36,26 @@ def test_missing_and_misshaped_tensors_are_named(tiny):
 def test_layout_that_does_not_divide_the_model_is_refused(tiny):
     cfg, sd = tiny
     with pytest.raises(ValueError, match="4 layers over PP=3"):
-        hf_to_megatron(cfg, sd, RankCoords(pp=3), torch.float32)
+        hf_to_megatron(cfg, sd, ParallelLayout(world=3, pp=3), 0, torch.float32)
 
 
 def test_shards_tile_the_global_tensors(tiny):
     """Over all ranks of TP2 PP2 EP2, every HF element lands in exactly one place per role."""
     cfg, sd = tiny
+    layout = ParallelLayout(world=8, tp=2, pp=2, ep=2, sp=True)
     total = 0
-    for tp_rank in range(2):
-        for pp_rank in range(2):
-            for ep_rank in range(2):
-                rank = RankCoords(tp=2, tp_rank=tp_rank, pp=2, pp_rank=pp_rank, ep=2,
-                                  ep_rank=ep_rank)  # fmt: skip
-                shard = hf_to_megatron(cfg, sd, rank, torch.float32)
-                # Expert weights are split over EP (ETP 1), the rest over TP or replicated.
-                total += sum(v.numel() for k, v in shard.items() if "experts" in k)
+    for rank in range(8):
+        shard = hf_to_megatron(cfg, sd, layout, rank, torch.float32)
+        # Expert weights are split over EP (ETP 1), the rest over TP or replicated.
+        total += sum(v.numel() for k, v in shard.items() if "experts" in k)
     experts = sum(v.numel() for k, v in sd.items() if ".mlp.experts." in k)
-    assert total == 2 * experts  # each EP shard appears on both TP ranks of its stage
+    assert total == 2 * experts  # each EP shard appears on both DP ranks of its stage
 
 
 def test_a_wider_checkpoint_is_read_as_configured(tmp_path):
-    cfg = TinyConfig(num_experts=4, num_experts_per_tok=1, num_hidden_layers=2, vocab_size=300)
+    cfg = tiny_shape(num_experts=4, num_experts_per_tok=1, num_hidden_layers=2, vocab_size=300)
     path = write_tiny_checkpoint(tmp_path / "small", cfg, seed=1)
-    shard = hf_to_megatron(
-        Qwen3MoeConfig.from_hf(path), load_hf_state_dict(path), RankCoords(), torch.float32
-    )
+    assert Qwen3MoeConfig.from_hf(path) == cfg
+    shard = hf_to_megatron(cfg, load_hf_state_dict(path), ParallelLayout(world=1), 0, torch.float32)
     assert shard["output_layer.weight"].shape == (300, 64)
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in shard

@@ -115,11 +115,10 @@ def test_native_differs_from_exact_somewhere():
 
 def test_reference_model_runs_under_native_ops():
     """The whole model, packed and paged, through the baseline: close to the exact run."""
-    from onpolicy.models import TinyConfig
-    from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+    from onpolicy.models import tiny
     from onpolicy.models.reference import Qwen3MoeReference
 
-    cfg = Qwen3MoeConfig.from_hf(TinyConfig(num_hidden_layers=2).hf_config())
+    cfg = tiny(num_hidden_layers=2)
     model = Qwen3MoeReference.random(cfg, dtype=torch.float32, seed=0)
     seqs = [[5, 17, 3, 99, 42, 7], [1, 2, 3]]
     exact = model.score(seqs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from adversarial import DEVICES
-from onpolicy.models import TinyConfig, write_tiny_checkpoint
+from onpolicy.models import tiny, write_tiny_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 from onpolicy.models.reference import PagedKVCache, Qwen3MoeReference, Request
 
@@ -34,7 +34,7 @@ QWEN3_235B_A22B = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("tiny")
-    return {dt: write_tiny_checkpoint(root / dt, TinyConfig(dtype=dt), seed=0) for dt in DTYPES}
+    return {dt: write_tiny_checkpoint(root / dt, tiny(torch_dtype=dt), seed=0) for dt in DTYPES}
 
 
 @pytest.fixture(scope="module", params=DEVICES)

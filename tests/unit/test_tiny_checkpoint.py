@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from onpolicy.models import TinyConfig, write_tiny_checkpoint
+from onpolicy.models import tiny, write_tiny_checkpoint
 from onpolicy.models.tiny import DONE
 
 
@@ -27,9 +27,9 @@ def test_sizes_are_settable_and_transformers_loads_it(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = TinyConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
-                     num_key_value_heads=4, head_dim=8, num_experts=4, num_experts_per_tok=3,
-                     moe_intermediate_size=16, dtype="float32")  # fmt: skip
+    cfg = tiny(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=8, num_experts=4, num_experts_per_tok=3,
+               moe_intermediate_size=16, torch_dtype="float32")  # fmt: skip
     path = write_tiny_checkpoint(tmp_path / "m", cfg, seed=0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model.config.num_experts == 4 and model.config.num_experts_per_tok == 3
@@ -51,14 +51,24 @@ def test_rewrite_replaces_the_folder_and_leaves_no_temporaries(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"dtype": "float16"}, "dtype must be bfloat16 or float32"),
-        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads (3)"),
-        ({"num_experts_per_tok": 9}, "num_experts_per_tok (9) must be in [1, num_experts=8]"),
+        ({"torch_dtype": "float16"}, "torch_dtype must be bfloat16 or float32"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads = 3"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok = 9 exceeds num_experts = 8"),
         ({"vocab_size": 100}, "vocab_size (100) must be at least 259"),
+        ({"hidden_size": 0}, "hidden_size = 0 must be a positive integer"),
+        ({"hidden": 64}, "unknown dims ['hidden']"),
     ],
 )
 def test_bad_sizes_are_refused_by_name(tmp_path, change, message):
     with pytest.raises(ValueError) as e:
-        write_tiny_checkpoint(tmp_path / "m", TinyConfig(**change))
+        write_tiny_checkpoint(tmp_path / "m", tiny(**change))
     assert message in str(e.value)
     assert not (tmp_path / "m").exists()
+
+
+def test_config_json_round_trips_to_the_shape(tmp_path):
+    from onpolicy.models import TINY, Qwen3MoeConfig
+
+    path = write_tiny_checkpoint(tmp_path / "m", seed=0)
+    assert Qwen3MoeConfig.from_hf(path) == TINY
+    assert Qwen3MoeConfig.from_hf(TINY.to_hf()) == TINY

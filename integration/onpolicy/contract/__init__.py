@@ -7,11 +7,13 @@ arguments and environment. `onpolicy validate --config FILE` prints that plan.
 
 from onpolicy.contract.config import (
     ModelConfig,
-    RolloutLayout,
+    RolloutConfig,
     RunConfig,
-    TrainingLayout,
+    config_from_dict,
     from_dict,
     load_config,
+    model_shape,
+    parse_override,
 )
 from onpolicy.contract.errors import ContractError, is_power_of_2
 from onpolicy.contract.plan import Plan, format_plan, plan_dict, resolve_plan
@@ -25,13 +27,15 @@ __all__ = [
     "ContractError",
     "ModelConfig",
     "Plan",
-    "RolloutLayout",
+    "RolloutConfig",
     "RunConfig",
-    "TrainingLayout",
+    "config_from_dict",
     "format_plan",
     "from_dict",
     "is_power_of_2",
     "load_config",
+    "model_shape",
+    "parse_override",
     "plan_dict",
     "resolve_plan",
     "validate",

@@ -5,67 +5,35 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from onpolicy.contract.errors import ContractError
+from onpolicy.layout import ParallelLayout
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The model: a Hugging Face checkpoint or the seeded tiny model, with the dims that shard."""
+    """Which model: an HF checkpoint folder (dims from its config.json) or the seeded tiny one."""
 
     family: str = "qwen3_moe"
     """Model family; the contract covers qwen3_moe only."""
-    hf_path: str = ""
-    """Hugging Face repo id or local path; empty for the seeded tiny model."""
     dtype: str = "bfloat16"
-    """Parameter and activation dtype."""
-    num_layers: int
-    """Decoder layers (split over PP stages)."""
-    hidden_size: int
-    """Residual stream width."""
-    num_attention_heads: int
-    """Query heads (split over TP)."""
-    num_kv_heads: int
-    """Key/value heads (split over TP, or replicated by SGLang when TP exceeds them)."""
-    head_dim: int
-    """Width of one attention head; heads x head_dim is the attention output projection's K."""
-    num_experts: int
-    """Routed experts per MoE layer (split over EP)."""
-    top_k: int
-    """Experts each token is routed to."""
-    moe_intermediate_size: int
-    """Expert FFN width (split over expert TP)."""
-    vocab_size: int
-    """Real vocabulary size (split over TP in the embedding and LM head)."""
+    """Parameter and activation dtype of the run."""
+    hf_path: str = ""
+    """An HF checkpoint folder (config.json + *.safetensors); its dims are read from config.json.
+    A relative path is taken from the current directory."""
+    tiny: dict | None = None
+    """The seeded tiny Qwen3-MoE instead of a checkpoint: dims in config.json's names (every
+    other dim keeps onpolicy.models.tiny.TINY_DIMS)."""
+    seed: int = 0
+    """Seed of the tiny model's weights."""
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainingLayout:
-    """Megatron's parallel layout. DP is what is left of the world after TP, PP and CP."""
-
-    world: int
-    """Total trainer ranks."""
-    tp: int = 1
-    """Tensor parallel size (attention and dense layers)."""
-    pp: int = 1
-    """Pipeline parallel stages."""
-    ep: int = 1
-    """Expert parallel size."""
-    etp: int = 1
-    """Expert tensor parallel size."""
-    sp: bool = False
-    """Sequence parallel (required with TP > 1 for MoE)."""
-    cp: int = 1
-    """Context parallel size; the contract pins it to 1."""
-    dp: int = 0
-    """Data parallel size; 0 derives it as world / (tp * pp * cp)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutLayout:
-    """SGLang's layout: a number of engines, each a TP group with EP inside it."""
+class RolloutConfig:
+    """SGLang's side: a number of engines, each a TP group with EP inside it."""
 
     engines: int
     """Independent SGLang engines."""
@@ -91,10 +59,12 @@ class RunConfig:
     """'cpu' (gloo) or 'cuda' (NCCL)."""
     model: ModelConfig
     """The model."""
-    training: TrainingLayout
+    training: ParallelLayout
     """The trainer's layout."""
-    rollout: RolloutLayout
-    """The rollout engines' layout."""
+    rollout: RolloutConfig
+    """The rollout engines."""
+    shape: Qwen3MoeConfig | None = field(default=None, metadata={"derived": True})
+    """The model's dims, derived once when the config is read (not a config key)."""
 
 
 def _type_name(tp: object) -> str:
@@ -104,7 +74,7 @@ def _type_name(tp: object) -> str:
 def from_dict(cls: type, data: dict, where: str = "") -> object:
     """Build dataclass `cls` from a TOML table; refuse unknown, missing and mistyped keys."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
     for key in data:
         if key not in fields:
             raise ContractError(
@@ -132,6 +102,8 @@ def from_dict(cls: type, data: dict, where: str = "") -> object:
             kwargs[name] = from_dict(want, value, f"{path}.")
             continue
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok, value = True, float(value)
         if not ok:
             raise ContractError(
                 "config_types",
@@ -143,8 +115,78 @@ def from_dict(cls: type, data: dict, where: str = "") -> object:
     return cls(**kwargs)
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Read a run config from a TOML file."""
+def model_shape(model: ModelConfig) -> Qwen3MoeConfig:
+    """The model's dims: from the checkpoint's config.json, or the tiny model's table."""
+    from onpolicy.models.tiny import tiny
+
+    if bool(model.hf_path) == (model.tiny is not None):
+        raise ContractError(
+            "model_source",
+            "the run config must name its model exactly one way; it names "
+            + ("both model.hf_path and [model.tiny]" if model.hf_path else "neither"),
+            "set model.hf_path to an HF checkpoint folder, or add a [model.tiny] table",
+        )
+    if model.hf_path:
+        path = Path(model.hf_path)
+        if not (path / "config.json").is_file():
+            raise ContractError(
+                "model_source",
+                f"model.hf_path = {model.hf_path!r}: no config.json in {path.resolve()}",
+                "download the checkpoint there (it holds config.json and *.safetensors) or point "
+                "model.hf_path at it (`--set model.hf_path=DIR` on the command line)",
+            )
+        where = f"{path / 'config.json'}"
+        read = lambda: Qwen3MoeConfig.from_hf(path)  # noqa: E731
+    else:
+        where = "[model.tiny]"
+        if "torch_dtype" in model.tiny:
+            raise ContractError(
+                "model_shape", "[model.tiny] sets torch_dtype", "set model.dtype instead"
+            )
+        read = lambda: tiny(**model.tiny, torch_dtype=model.dtype)  # noqa: E731
+    try:
+        return read()
+    except (ValueError, TypeError) as e:
+        raise ContractError("model_shape", f"{where}: {e}", "fix the model's dims") from e
+
+
+def _set_dotted(data: dict, key: str, value: object) -> None:
+    *parents, leaf = key.split(".")
+    for p in parents:
+        data = data.setdefault(p, {})
+        if not isinstance(data, dict):
+            raise ContractError("config_override", f"--set {key}: {p!r} is not a table", "")
+    data[leaf] = value
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    """`key.path=value` with a TOML value (`tp=2`, `sp=true`); anything else is a string."""
+    key, eq, raw = item.partition("=")
+    if not eq or not key.strip():
+        raise ContractError(
+            "config_override", f"--set {item!r} is not KEY=VALUE", "write e.g. training.tp=2"
+        )
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def config_from_dict(data: dict, overrides: dict[str, object] | None = None) -> RunConfig:
+    """A run config from TOML data, with dotted-key overrides applied first (they win)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    cfg = from_dict(RunConfig, data)
+    cfg.shape = model_shape(cfg.model)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> RunConfig:
+    """Read a run config from a TOML file; `overrides` (dotted keys) take precedence."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
@@ -154,4 +196,4 @@ def load_config(path: str | Path) -> RunConfig:
         ) from None
     except tomllib.TOMLDecodeError as e:
         raise ContractError("config_file", f"{p} is not valid TOML: {e}", "fix the syntax") from e
-    return from_dict(RunConfig, data)
+    return config_from_dict(data, overrides)

@@ -20,10 +20,12 @@ def training_dp(cfg: RunConfig) -> int:
     return t.world // (t.tp * t.pp * t.cp)
 
 
-def expert_dp(cfg: RunConfig) -> int:
-    """Expert data-parallel size: the TP x CP x DP ranks of a stage, over ETP x EP."""
-    t = cfg.training
-    return t.tp * t.cp * training_dp(cfg) // (t.etp * t.ep)
+def dim(cfg: RunConfig, name: str) -> str:
+    """Where the user sets model dim `name`: the [model.tiny] table or the checkpoint's
+    config.json."""
+    if cfg.model.tiny is not None:
+        return f"model.tiny.{name}"
+    return f"{name} (config.json of model.hf_path)"
 
 
 def rollout_moe_tp(cfg: RunConfig) -> int:
@@ -72,21 +74,24 @@ def device(cfg: RunConfig) -> None:
         )
 
 
+def _lookup(cfg: RunConfig, path: str) -> object:
+    obj: object = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def allowed_dims(cfg: RunConfig) -> None:
-    if cfg.training.cp != 1:
-        raise ContractError(
-            "allowed_dims",
-            f"training.cp = {cfg.training.cp}; {V1.name} allows training dims "
-            f"{', '.join(V1.training_dims)} and pins context parallel to 1",
-            "set training.cp = 1 and use TP/SP or more DP for long sequences",
-        )
-    if cfg.rollout.dp_attention:
-        raise ContractError(
-            "allowed_dims",
-            f"rollout.dp_attention = true; {V1.name} keeps SGLang attention data-parallel off "
-            "(its batch split changes the attention reduction)",
-            "set rollout.dp_attention = false and add engines for throughput",
-        )
+    for path, value, why in V1.fixed_dims:
+        got = _lookup(cfg, path)
+        if got != value:
+            shown = str(got).lower() if isinstance(got, bool) else got
+            want = str(value).lower() if isinstance(value, bool) else value
+            raise ContractError(
+                "allowed_dims",
+                f"{path} = {shown}; {V1.name} pins it to {want}: {why}",
+                f"set {path} = {want}",
+            )
 
 
 def positive_sizes(cfg: RunConfig) -> None:
@@ -95,23 +100,11 @@ def positive_sizes(cfg: RunConfig) -> None:
         "training.pp": cfg.training.pp, "training.ep": cfg.training.ep,
         "training.etp": cfg.training.etp, "training.dp": max(cfg.training.dp, 1),
         "rollout.engines": cfg.rollout.engines, "rollout.tp": cfg.rollout.tp,
-        "rollout.ep": cfg.rollout.ep, "model.num_layers": cfg.model.num_layers,
-        "model.hidden_size": cfg.model.hidden_size,
-        "model.num_attention_heads": cfg.model.num_attention_heads,
-        "model.num_kv_heads": cfg.model.num_kv_heads, "model.head_dim": cfg.model.head_dim,
-        "model.num_experts": cfg.model.num_experts, "model.top_k": cfg.model.top_k,
-        "model.moe_intermediate_size": cfg.model.moe_intermediate_size,
-        "model.vocab_size": cfg.model.vocab_size,
+        "rollout.ep": cfg.rollout.ep,
     }  # fmt: skip
     for name, v in sizes.items():
         if v < 1:
             raise ContractError("positive_sizes", f"{name} = {v}", f"set {name} to at least 1")
-    if cfg.model.top_k > cfg.model.num_experts:
-        raise ContractError(
-            "positive_sizes",
-            f"model.top_k = {cfg.model.top_k} exceeds model.num_experts = {cfg.model.num_experts}",
-            "set model.top_k to at most model.num_experts",
-        )
 
 
 def world_layout(cfg: RunConfig) -> None:
@@ -217,57 +210,78 @@ def colocated_gpus(cfg: RunConfig) -> None:
 
 
 def pp_divides_layers(cfg: RunConfig) -> None:
-    n, pp = cfg.model.num_layers, cfg.training.pp
+    n, pp = cfg.shape.num_hidden_layers, cfg.training.pp
     if n % pp:
+        name = dim(cfg, "num_hidden_layers")
         raise ContractError(
             "pp_divides_layers",
-            f"model.num_layers = {n} does not split into training.pp = {pp} equal stages",
-            f"set training.pp to one of {_pow2_divisors(n)}, or change model.num_layers",
+            f"{name} = {n} does not split into training.pp = {pp} equal stages",
+            f"set training.pp to one of {_pow2_divisors(n)}, or change the model",
         )
 
 
-def _shard(rule: str, dim: str, value: int, shards: dict[str, int]) -> None:
+def _shard(rule: str, cfg: RunConfig, field: str, shards: dict[str, int]) -> None:
+    value, name_ = getattr(cfg.shape, field), dim(cfg, field)
     for name, s in shards.items():
         if value % s:
             raise ContractError(
                 rule,
-                f"{dim} = {value} does not divide over {name} = {s}",
+                f"{name_} = {value} does not divide over {name} = {s}",
                 f"set {name} to one of {_pow2_divisors(value)} (the power-of-2 divisors of "
-                f"{value}), or change {dim}",
+                f"{value}), or change the model",
             )
 
 
 def shard_heads(cfg: RunConfig) -> None:
     shards = {"training.tp": cfg.training.tp, "rollout.tp": cfg.rollout.tp}
-    _shard("shard_heads", "model.num_attention_heads", cfg.model.num_attention_heads, shards)
+    _shard("shard_heads", cfg, "num_attention_heads", shards)
 
 
 def shard_kv_heads(cfg: RunConfig) -> None:
-    kv, rtp = cfg.model.num_kv_heads, cfg.rollout.tp
-    _shard("shard_kv_heads", "model.num_kv_heads", kv, {"training.tp": cfg.training.tp})
+    kv, rtp = cfg.shape.num_key_value_heads, cfg.rollout.tp
+    _shard("shard_kv_heads", cfg, "num_key_value_heads", {"training.tp": cfg.training.tp})
     if kv % rtp and rtp % kv:  # SGLang replicates KV heads when tp is a multiple of them
         raise ContractError(
             "shard_kv_heads",
-            f"model.num_kv_heads = {kv} and rollout.tp = {rtp}: neither divides the other, so "
-            "SGLang can neither split nor replicate the KV heads",
+            f"{dim(cfg, 'num_key_value_heads')} = {kv} and rollout.tp = {rtp}: neither divides "
+            "the other, so SGLang can neither split nor replicate the KV heads",
             f"choose rollout.tp dividing {kv} or a multiple of it",
         )
 
 
 def shard_experts(cfg: RunConfig) -> None:
     shards = {"training.ep": cfg.training.ep, "rollout.ep": cfg.rollout.ep}
-    _shard("shard_experts", "model.num_experts", cfg.model.num_experts, shards)
+    _shard("shard_experts", cfg, "num_experts", shards)
 
 
 def shard_moe_intermediate(cfg: RunConfig) -> None:
     shards = {"training.etp": cfg.training.etp, "rollout MoE TP": rollout_moe_tp(cfg)}
-    m = cfg.model.moe_intermediate_size
-    _shard("shard_moe_intermediate", "model.moe_intermediate_size", m, shards)
+    _shard("shard_moe_intermediate", cfg, "moe_intermediate_size", shards)
 
 
 def shard_vocab(cfg: RunConfig) -> None:
     shards = {"training.tp": cfg.training.tp, "rollout.tp": cfg.rollout.tp}
-    _shard("shard_vocab", "model.vocab_size", cfg.model.vocab_size, shards)
+    _shard("shard_vocab", cfg, "vocab_size", shards)
+
+
+def vocab_parallel_exact(cfg: RunConfig) -> None:
+    """The vocab-parallel log-softmax equals the full one only where every TP shard holds whole
+    segments of its sum tree (kernels/rules.py)."""
+    from onpolicy.kernels.rules import VOCAB_SEGMENTS, vocab_parallel_exact, vocab_segments
+
+    v = cfg.shape.vocab_size
+    segs = vocab_segments(v)
+    for name, tp in (("training.tp", cfg.training.tp), ("rollout.tp", cfg.rollout.tp)):
+        if not vocab_parallel_exact(v, tp):
+            ok = [t for t in (1, 2, 4, 8) if vocab_parallel_exact(v, t)]
+            raise ContractError(
+                "vocab_parallel_exact",
+                f"{name} = {tp} splits the LM head's {dim(cfg, 'vocab_size')} = {v} into {tp} "
+                f"shards, but its log-softmax sum is a tree over {segs} equal segments (at most "
+                f"{VOCAB_SEGMENTS}), so a shard would not hold whole segments and the "
+                "vocab-parallel log-probs would differ from the full ones",
+                f"set {name} to one of {ok}",
+            )
 
 
 def rollout_tp_tree_exact(cfg: RunConfig) -> None:
@@ -279,7 +293,7 @@ def rollout_tp_tree_exact(cfg: RunConfig) -> None:
     from onpolicy.kernels import K_BLOCK, row_parallel_exact
     from onpolicy.kernels.rules import MMA_LEAF
 
-    k = cfg.model.num_attention_heads * cfg.model.head_dim
+    k = cfg.shape.num_attention_heads * cfg.shape.head_dim
     for name, tp in (("training.tp", ttp), ("rollout.tp", rtp)):
         if not row_parallel_exact(k, tp, cfg.device):
             raise ContractError(
@@ -300,7 +314,8 @@ RULES: dict[str, Callable[[RunConfig], None]] = {
         contract_name, model_family, dtype, device, allowed_dims, positive_sizes, world_layout,
         power_of_2_groups, sp_required, ep_divides_dp, rollout_ep_divides_tp,
         rollout_moe_tp_equals_etp, colocated_gpus, pp_divides_layers, shard_heads,
-        shard_kv_heads, shard_experts, shard_moe_intermediate, shard_vocab, rollout_tp_tree_exact,
+        shard_kv_heads, shard_experts, shard_moe_intermediate, shard_vocab, vocab_parallel_exact,
+        rollout_tp_tree_exact,
     )
 }  # fmt: skip
 """Every rule, in the order `validate` checks them; the key is the rule name errors carry."""

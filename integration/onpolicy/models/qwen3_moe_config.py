@@ -1,4 +1,8 @@
-"""The Qwen3-MoE shape the reference model runs, read from an HF config.json.
+"""The Qwen3-MoE shape: the one description of a model's dims every side uses.
+
+The contract, the tiny-checkpoint writer, the reference model, the Megatron builder and the
+HF -> Megatron loader all take a `Qwen3MoeConfig`, spelled with HF config.json's field names and
+read from a checkpoint's config.json (`from_hf`) or written to one (`to_hf`).
 
 Only what the exact kernels cover is accepted: every layer sparse, no attention bias, no
 sliding window, plain (unscaled) RoPE. Anything else is refused with the field that failed,
@@ -17,7 +21,7 @@ import torch
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Qwen3MoeConfig:
-    """The fields of a Qwen3-MoE config.json the reference forward uses."""
+    """The fields of a Qwen3-MoE config.json that every side of the stack uses."""
 
     vocab_size: int
     """Rows of the embedding and of the LM head."""
@@ -52,16 +56,77 @@ class Qwen3MoeConfig:
     eos_token_id: int | None = None
     """End-of-sequence token, if the config names one."""
 
+    def __post_init__(self) -> None:
+        sizes = {f: getattr(self, f) for f in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "max_position_embeddings",
+        )}  # fmt: skip
+        for name, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Qwen3-MoE config: {name} = {v!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Qwen3-MoE config: num_attention_heads = {self.num_attention_heads} is not a "
+                f"multiple of num_key_value_heads = {self.num_key_value_heads} (GQA groups)"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"Qwen3-MoE config: num_experts_per_tok = {self.num_experts_per_tok} exceeds "
+                f"num_experts = {self.num_experts}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3-MoE config: head_dim = {self.head_dim} must be even (RoPE)")
+
     @property
     def dtype(self) -> torch.dtype:
         return getattr(torch, self.torch_dtype)
+
+    def to_hf(self) -> dict:
+        """The config.json fields of this shape, as the published Qwen3-MoE configs spell them;
+        `from_hf(c.to_hf()) == c`."""
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype,
+            "eos_token_id": self.eos_token_id,
+        }
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike) -> Qwen3MoeConfig:
         """Parse a config.json (a dict, the file, or its folder); refuse what is not covered."""
         if not isinstance(config, dict):
             path = Path(config)
-            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+            file = path / "config.json" if path.is_dir() else path
+            try:
+                config = json.loads(file.read_text())
+            except FileNotFoundError:
+                raise ValueError(
+                    f"Qwen3-MoE config: no {file.name} at {file.parent} (an HF checkpoint folder "
+                    "holds config.json beside its *.safetensors)"
+                ) from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"Qwen3-MoE config: {file} is not valid JSON: {e}") from e
         c = config
 
         def refuse(field: str, value: object, why: str) -> None:
@@ -85,6 +150,12 @@ class Qwen3MoeConfig:
         if rope_type != "default":
             refuse("rope type", rope_type, "plain RoPE only")
         eos = c.get("eos_token_id")
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads", "num_experts",
+                               "num_experts_per_tok", "moe_intermediate_size", "rms_norm_eps",
+                               "max_position_embeddings") if k not in c]  # fmt: skip
+        if missing:
+            refuse("fields", missing, "a Qwen3-MoE config.json must name them")
         return cls(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],

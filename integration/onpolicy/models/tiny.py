@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -25,114 +25,86 @@ DONE = ".tiny-checkpoint-complete"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class TinyConfig:
-    """The shape of a tiny Qwen3-MoE; every field maps to one config.json entry."""
+TINY_DIMS: dict[str, object] = {
+    "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "norm_topk_prob": True, "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+}  # fmt: skip
+"""The default tiny shape, in `Qwen3MoeConfig`'s (HF config.json's) field names."""
 
-    vocab_size: int = 1000
-    """Vocabulary size of the model and of the tokenizer."""
-    hidden_size: int = 64
-    """Residual stream width."""
-    num_hidden_layers: int = 4
-    """Decoder layers; every one is an MoE layer."""
-    num_attention_heads: int = 4
-    """Query heads."""
-    num_key_value_heads: int = 2
-    """Key/value heads (GQA groups)."""
-    head_dim: int = 16
-    """Width of one attention head."""
-    num_experts: int = 8
-    """Routed experts per layer."""
-    num_experts_per_tok: int = 2
-    """Top-k experts each token is sent to."""
-    moe_intermediate_size: int = 32
-    """Hidden width of one expert's SwiGLU."""
-    intermediate_size: int = 128
-    """Dense MLP width (unused by an all-MoE model, kept for config compatibility)."""
-    norm_topk_prob: bool = True
-    """Renormalise the top-k router probabilities to sum to one."""
-    rope_theta: float = 1_000_000.0
-    """RoPE base."""
-    rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
-    max_position_embeddings: int = 4096
-    """Longest sequence the config admits."""
-    dtype: str = "bfloat16"
-    """Stored weight dtype: bfloat16 (as published checkpoints) or float32."""
-    init_std: float = 0.1
-    """Std of the normal init of every matrix; large enough that greedy choices are not ties."""
-
-    def hf_config(self) -> dict:
-        """config.json contents, spelled as the published Qwen3-MoE checkpoints spell them."""
-        return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "max_window_layers": self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "tie_word_embeddings": False,
-            "output_router_logits": False,
-            "router_aux_loss_coef": 0.001,
-            "initializer_range": self.init_std,
-            "use_cache": True,
-            "bos_token_id": self.vocab_size - len(SPECIAL_TOKENS),
-            "eos_token_id": self.vocab_size - 1,
-            "torch_dtype": self.dtype,
-        }
-
-    def validate(self) -> None:
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"TinyConfig.dtype must be bfloat16 or float32, got {self.dtype!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"TinyConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                f"of num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"TinyConfig: num_experts_per_tok ({self.num_experts_per_tok}) must be in "
-                f"[1, num_experts={self.num_experts}]"
-            )
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(
-                f"TinyConfig.vocab_size ({self.vocab_size}) must be at least "
-                f"{256 + len(SPECIAL_TOKENS)}: the byte-level tokenizer needs 256 bytes + specials"
-            )
+INIT_STD = 0.1
+"""Std of the normal init of every matrix; large enough that greedy choices are not ties."""
 
 
-def random_state_dict(cfg: TinyConfig, seed: int) -> dict[str, torch.Tensor]:
+def tiny(**dims: object) -> Qwen3MoeConfig:
+    """The tiny Qwen3-MoE shape: `TINY_DIMS` with `dims` changed (HF field names).
+
+    Unknown names are refused; the end-of-sequence token is the tokenizer's last id.
+    """
+    unknown = sorted(set(dims) - {f.name for f in fields(Qwen3MoeConfig)} - {"eos_token_id"})
+    if unknown:
+        raise ValueError(
+            f"tiny model: unknown dims {unknown}; use Qwen3MoeConfig's (HF config.json's) names: "
+            f"{', '.join(TINY_DIMS)}"
+        )
+    merged = {**TINY_DIMS, **dims}
+    merged.setdefault("eos_token_id", int(merged["vocab_size"]) - 1)
+    return Qwen3MoeConfig(**merged)
+
+
+TINY = tiny()
+"""The default tiny Qwen3-MoE shape."""
+
+
+def check_tiny(cfg: Qwen3MoeConfig) -> None:
+    """What the tiny writer needs beyond a valid shape: a stored dtype, room for the tokenizer."""
+    if cfg.torch_dtype not in ("bfloat16", "float32"):
+        raise ValueError(
+            f"tiny model: torch_dtype must be bfloat16 or float32, got {cfg.torch_dtype!r}"
+        )
+    if cfg.vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"tiny model: vocab_size ({cfg.vocab_size}) must be at least "
+            f"{256 + len(SPECIAL_TOKENS)}: the byte-level tokenizer needs 256 bytes + specials"
+        )
+    if cfg.eos_token_id != cfg.vocab_size - 1 or cfg.tie_word_embeddings:
+        raise ValueError(
+            f"tiny model: eos_token_id must be the last id {cfg.vocab_size - 1} (got "
+            f"{cfg.eos_token_id}) and the LM head untied (got tie={cfg.tie_word_embeddings})"
+        )
+
+
+def tiny_hf_config(cfg: Qwen3MoeConfig, init_std: float = INIT_STD) -> dict:
+    """config.json of a tiny checkpoint: the shape's fields plus the keys HF configs also carry."""
+    return {
+        **cfg.to_hf(),
+        "intermediate_size": 4 * cfg.hidden_size,  # the dense MLP width; unused, every layer is MoE
+        "max_window_layers": cfg.num_hidden_layers,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "initializer_range": init_std,
+        "use_cache": True,
+        "bos_token_id": cfg.vocab_size - len(SPECIAL_TOKENS),
+    }
+
+
+def random_state_dict(
+    cfg: Qwen3MoeConfig, seed: int, init_std: float = INIT_STD
+) -> dict[str, torch.Tensor]:
     """HF-named weights drawn from one seeded generator, in the layout's fixed order."""
     g = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, cfg.dtype)
+    dtype = cfg.dtype
 
     def draw(shape: tuple[int, ...]) -> torch.Tensor:
         if len(shape) == 1:
             # Norm weights, not all ones, so a wrongly mapped norm shows up in the logits.
             return (1.0 + 0.1 * torch.randn(*shape, generator=g)).to(dtype)
-        return (torch.randn(*shape, generator=g) * cfg.init_std).to(dtype)
+        return (torch.randn(*shape, generator=g) * init_std).to(dtype)
 
-    layout = hf_tensor_shapes(Qwen3MoeConfig.from_hf(cfg.hf_config()))
-    return {name: draw(shape) for name, shape in layout.items()}
+    return {name: draw(shape) for name, shape in hf_tensor_shapes(cfg).items()}
 
 
 def _corpus(seed: int) -> list[str]:
@@ -178,8 +150,8 @@ def write_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def write_tiny_checkpoint(out_dir: str | os.PathLike, cfg: TinyConfig | None = None,
-                          seed: int = 0) -> Path:  # fmt: skip
+def write_tiny_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3MoeConfig | None = None,
+                          seed: int = 0, init_std: float = INIT_STD) -> Path:  # fmt: skip
     """Write the checkpoint to `out_dir` atomically and return it.
 
     Files are built in a temporary sibling and renamed into place with the completion marker
@@ -187,17 +159,19 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike, cfg: TinyConfig | None = N
     """
     from safetensors.torch import save_file
 
-    cfg = cfg or TinyConfig()
-    cfg.validate()
+    cfg = cfg or TINY
+    check_tiny(cfg)
     out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        (tmp / "config.json").write_text(json.dumps(cfg.hf_config(), indent=2) + "\n")
-        save_file(random_state_dict(cfg, seed), tmp / "model.safetensors", {"format": "pt"})
+        config = tiny_hf_config(cfg, init_std)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        weights = random_state_dict(cfg, seed, init_std)
+        save_file(weights, tmp / "model.safetensors", {"format": "pt"})
         write_tokenizer(tmp, cfg.vocab_size, seed)
         (tmp / "onpolicy-tiny.json").write_text(
-            json.dumps({"seed": seed, **asdict(cfg)}, indent=2) + "\n"
+            json.dumps({"seed": seed, "init_std": init_std, **asdict(cfg)}, indent=2) + "\n"
         )
         if out.exists():
             shutil.rmtree(out)

@@ -2,36 +2,20 @@
 
 The model uses the local (non-Transformer-Engine) layer spec, so it runs on CPU with gloo as
 well as on CUDA: RMSNorm, q/k-norm, SwiGLU experts, RoPE, GQA, top-k MoE. Parallelism is
-whatever `parallel_state` was initialised with; this module only reads it.
+the run's `ParallelLayout`; `initialize_parallel_state` sets megatron-core's groups from it and
+checks that every rank sits where the layout says.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from onpolicy.layout import ParallelLayout
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
 
-@dataclass(kw_only=True, slots=True)
-class MegatronLayout:
-    """Megatron parallel sizes for one training job."""
-
-    tp: int = 1
-    """Tensor-parallel size (attention and dense layers)."""
-    pp: int = 1
-    """Pipeline-parallel size (contiguous layer stages)."""
-    ep: int = 1
-    """Expert-parallel size (experts spread over ranks)."""
-    etp: int = 1
-    """Expert tensor-parallel size (each expert's weights split over ranks)."""
-    sp: bool = False
-    """Sequence parallel: activations outside attention/MLP are sharded over TP."""
-
-
 def transformer_config(
-    cfg: Qwen3MoeConfig, layout: MegatronLayout, dtype: torch.dtype = torch.float32
+    cfg: Qwen3MoeConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32
 ):
     """The TransformerConfig that reproduces HF Qwen3-MoE math with the local spec."""
     import torch.nn.functional as F
@@ -84,7 +68,7 @@ def transformer_config(
 
 
 def build_gpt_model(
-    cfg: Qwen3MoeConfig, layout: MegatronLayout, dtype: torch.dtype = torch.float32
+    cfg: Qwen3MoeConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32
 ):
     """GPTModel for this rank's pipeline stage, with the local layer spec."""
     from megatron.core import parallel_state as ps
@@ -109,3 +93,17 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=cfg.rope_theta,
     )
+
+
+def initialize_parallel_state(layout: ParallelLayout) -> None:
+    """megatron-core's parallel groups for `layout` (torch.distributed already initialised)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    layout.check_parallel_state()

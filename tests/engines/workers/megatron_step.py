@@ -23,10 +23,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from onpolicy.checkpoint.hf_megatron import RankCoords, hf_to_megatron
+from onpolicy.checkpoint.hf_megatron import hf_to_megatron
+from onpolicy.layout import ParallelLayout
 from onpolicy.models.hf_layout import load_hf_state_dict
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
-from onpolicy.train.megatron_model import MegatronLayout, build_gpt_model
+from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
 
 MICRO_BATCHES, MICRO_BATCH, SEQ = 2, 2, 16
 
@@ -82,19 +83,15 @@ def run(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
-    layout = MegatronLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=1, sp=args.sp)
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        expert_model_parallel_size=args.ep,
-        expert_tensor_parallel_size=1,
-    )
+    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
+                            sp=args.sp)  # fmt: skip
+    initialize_parallel_state(layout)
     model_parallel_cuda_manual_seed(1234)
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
     model = build_gpt_model(cfg, layout)
     assert_replicas_identical(model)
 
-    weights = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), RankCoords.from_parallel_state(),
+    weights = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), layout, dist.get_rank(),
                              torch.float32)  # fmt: skip
     model.load_state_dict(weights, strict=True)
     data = batches(cfg.vocab_size)
