@@ -104,7 +104,7 @@ def tests(session: nox.Session) -> None:
     """The CPU test suite on the real patched engines."""
     _install(session, gpu="gpu" in session.posargs)  # `-- -m gpu`: the CUDA dependency set
     args = session.posargs or ["-m", "not gpu"]
-    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     session.run("python", "-m", "pytest", *args, env=env)
 
 

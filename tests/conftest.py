@@ -30,7 +30,6 @@ def run_torchrun(
     ]  # fmt: skip
     full_env = {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(
             [str(REPO / "integration"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
         ),
