@@ -45,6 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from onpolicy import kernels as K
 from onpolicy.models.qwen3_moe_config import QWEN3_30B_A3B, Qwen3MoeConfig
 from onpolicy.models.reference import PagedKVCache, Qwen3MoeReference, Request
+from onpolicy.models.tiny import tiny
 
 NOMINAL_HBM = 4.8e12
 """H200 HBM3e bandwidth, bytes/s, as published."""
@@ -90,9 +91,7 @@ QWEN3 = Shapes(
     copy_bytes=4 << 30,
 )  # fmt: skip
 TINY = Shapes(
-    config=replace(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                   num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=256),
+    config=tiny(vocab_size=512, num_hidden_layers=2, max_position_embeddings=256),
     tokens=(1, 8, 64), quick_tokens=(1, 64), seq_len=32, context=64, page_size=16,
     batches=(1, 4), quick_batches=(4,), model_tokens=(8, 32), model_batches=(1, 4),
     model_context=32, copy_bytes=8 << 20,
