@@ -1,5 +1,6 @@
 """The CUDA backend's kernel logic, checked on CPU through Triton's interpreter (see
-cuda_interpreted.py); the GPU itself runs the same properties under `-m gpu`."""
+cuda_interpreted.py; its `tl.dot` is interpreter_dot's fixed-order fp32 chain, so the bits do
+not depend on the machine's BLAS); the GPU itself runs the same properties under `-m gpu`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 HERE = Path(__file__).parent
 NAMES = [
+    "interpreter_dot_is_the_fixed_fma_chain",
     "gemm_leaves_sum_by_the_pairwise_tree",
     "gemm_rows_are_independent_of_the_batch",
     "gemm_shards_of_whole_leaves_are_exact",
@@ -25,12 +27,19 @@ NAMES = [
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, str]:
+    """name -> "ok" or "FAIL ..." for every check; fails outright unless the script ran to
+    its END line (a crash midway, a non-zero exit, or a lost line)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "integration"), str(HERE)])
     proc = subprocess.run([sys.executable, str(HERE / "cuda_interpreted.py")], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stderr[-3000:]}"
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = proc.stdout.splitlines()
+    lines = dict(line.split(" ", 1) for line in out[:-1] if " " in line)
+    finished = bool(out) and out[-1] == f"END {len(lines)}" and len(lines) == len(out) - 1
+    assert proc.returncode == 0 and finished, (
+        f"interpreter run failed (exit {proc.returncode}):\n"
+        f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
     return lines
 
 
