@@ -21,6 +21,31 @@ from onpolicy.upstream.errors import UpstreamError
 from onpolicy.upstream.series import lint, load_series
 
 LINES = [f"line {i}\n" for i in range(1, 41)]
+DEMO_TESTS = """
+import pytest
+
+
+def helper():
+    pass
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one", "two"])
+def test_demo(n):
+    assert n
+
+
+class TestGroup:
+    def test_member(self):
+        pass
+"""
+DEMO_NOXFILE = """
+import nox
+
+
+@nox.session(python="3.11")
+def build(session):
+    pass
+"""
 
 
 def make_sdist(path: Path, version: str, files: dict[str, str]) -> str:
@@ -41,6 +66,9 @@ def make_root(tmp_path: Path, versions: dict[str, dict[str, str]]) -> Path:
     (root / "third_party" / "demo").mkdir(parents=True)
     (root / "build" / "downloads").mkdir(parents=True)
     (root / "patches" / "demo" / "series").write_text("")
+    (root / "tests").mkdir()
+    (root / "tests" / "test_demo.py").write_text(DEMO_TESTS)
+    (root / "noxfile.py").write_text(DEMO_NOXFILE)
     pins = []
     for version, files in versions.items():
         fname = f"demo-{version}.tar.gz"
@@ -57,7 +85,7 @@ def commit(work: Path, subject: str, edit) -> None:
     edit(work)
     msg = (
         f"{subject}\n\nWhy: a test change.\nUpstream-Status: not-needed-upstream\n"
-        "Covered-By: tests/unit/test_upstream_tool.py\n"
+        "Covered-By: tests/test_demo.py::test_demo\n"
     )
     tree.git(work, "commit", "-q", "-a", "-m", msg)
 
@@ -230,3 +258,71 @@ def test_rebuild_after_export_needs_no_force(tmp_path):
     work = tree.apply(root, "demo")
     log = tree.git(work, "log", "--format=%s").stdout.splitlines()
     assert log[:2] == ["feat: Greet the world", "fix: Change line twenty"]
+
+
+def with_covered_by(tmp_path: Path, value: str) -> Path:
+    """The two-patch series with the Covered-By header of one patch replaced by `value`."""
+    root = with_two_patches(tmp_path)
+    p = root / "patches/demo/fix_change_line_twenty.patch"
+    text = p.read_text()
+    assert text.count("Covered-By: tests/test_demo.py::test_demo\n") == 1
+    p.write_text(text.replace("Covered-By: tests/test_demo.py::test_demo\n", value))
+    return root
+
+
+def test_covered_by_missing_file_fails(tmp_path, capsys):
+    root = with_covered_by(tmp_path, "Covered-By: tests/test_gone.py::test_demo (the fix)\n")
+    (problem,) = check(root, "demo")
+    assert problem == (
+        "demo/fix_change_line_twenty.patch: Covered-By item "
+        "'tests/test_gone.py::test_demo (the fix)': file tests/test_gone.py does not exist"
+    )
+    assert main(["--root", str(root), "check", "demo"]) == 1
+    captured = capsys.readouterr()
+    assert problem in captured.err and "demo: FAILED" in captured.out
+
+
+def test_covered_by_missing_function_fails(tmp_path):
+    root = with_covered_by(
+        tmp_path, "Covered-By: tests/test_demo.py::test_demo, tests/test_demo.py::test_gone[one]\n"
+    )
+    (problem,) = check(root, "demo")
+    assert problem == (
+        "demo/fix_change_line_twenty.patch: Covered-By item "
+        "'tests/test_demo.py::test_gone[one]': tests/test_demo.py defines no function test_gone"
+    )
+
+
+def test_covered_by_valid_header_passes(tmp_path):
+    value = (
+        "Covered-By: tests/test_demo.py::test_demo[two] (a note, with a comma),\n"
+        " tests/test_demo.py::TestGroup::test_member, tests/test_demo.py,\n"
+        " noxfile.py::build (a nox session)\n"
+    )
+    root = with_covered_by(tmp_path, value)
+    assert check(root, "demo") == []  # lint clean and the re-export is still byte-identical
+
+
+@pytest.mark.parametrize("param_id", ["[one]", "[two]", "[1-a.b]"])
+def test_covered_by_accepts_a_param_id(tmp_path, param_id):
+    root = with_covered_by(tmp_path, f"Covered-By: tests/test_demo.py::test_demo{param_id}\n")
+    assert lint(load_series(root, "demo")) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("tests/test_demo.py::helper", "tests/test_demo.py::helper is neither a test"),
+        ("tests/test_demo.py::TestGone::test_member", "defines no class TestGone"),
+        ("noxfile.py build session (a note)", "is malformed"),
+        ("tests/test_demo.py::test_demo[one", "is malformed"),
+        ("../outside.py", "../outside.py is not a path inside the repo"),
+        ("tests", "tests is a folder, not a file"),
+        ("", "Covered-By names no test"),
+    ],
+)
+def test_covered_by_rejects(tmp_path, value, message):
+    (tmp_path / "outside.py").write_text("def test_x():\n    pass\n")
+    root = with_covered_by(tmp_path, f"Covered-By: {value}".rstrip() + "\n")
+    problems = lint(load_series(root, "demo"))
+    assert len(problems) == 1 and message in problems[0], problems

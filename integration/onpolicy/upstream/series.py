@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from onpolicy.upstream import covered_by
 from onpolicy.upstream.errors import UpstreamError
 
 REQUIRED_HEADERS = ("Subject:", "Why:", "Upstream-Status:", "Covered-By:")
@@ -20,6 +21,8 @@ class Series:
 
     name: str
     """Series name, e.g. `megatron-lm`."""
+    root: Path
+    """The repo root, against which Covered-By paths resolve."""
     folder: Path
     """patches/<name>/."""
     patches: tuple[Path, ...]
@@ -36,7 +39,7 @@ def load_series(root: Path, name: str) -> Series:
         for line in listing.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    return Series(name=name, folder=folder, patches=tuple(folder / n for n in names))
+    return Series(name=name, root=root, folder=folder, patches=tuple(folder / n for n in names))
 
 
 def slug(subject: str) -> str:
@@ -58,11 +61,11 @@ def lint(series: Series) -> list[str]:
         problems.append(f"{series.name}/{extra} is not listed in {series.name}/series")
     for p in series.patches:
         if p.exists():
-            problems += _lint_patch(series.name, p)
+            problems += _lint_patch(series.name, p, series.root)
     return problems
 
 
-def _lint_patch(name: str, path: Path) -> list[str]:
+def _lint_patch(name: str, path: Path, root: Path) -> list[str]:
     problems = []
     text = path.read_text()
     head, _, body = text.partition("\ndiff --git ")
@@ -86,6 +89,9 @@ def _lint_patch(name: str, path: Path) -> list[str]:
             want = slug(re.sub(r"^Subject: (\[PATCH[^\]]*\] )?", "", line))
             if want != path.name:
                 problems.append(f"{name}/{path.name}: file name should be {want} (from Subject)")
+    covered = covered_by.header_value(lines)
+    if covered is not None:
+        problems += [f"{name}/{path.name}: {p}" for p in covered_by.problems(root, covered)]
     for i, line in enumerate(text.splitlines(), 1):
         added = line.startswith("+") and not line.startswith("+++")
         in_head = i <= len(lines)
