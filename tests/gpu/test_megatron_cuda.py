@@ -1,4 +1,4 @@
-"""The same patched megatron-core on CUDA + NCCL: the CPU patches must be inert there.
+"""The same patched megatron-core on CUDA + NCCL: the CPU series must leave it working there.
 
 One GPU, world 1: build, load the tiny HF checkpoint, match HF logits, take DDP + Adam steps.
 """
