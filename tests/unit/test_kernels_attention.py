@@ -18,14 +18,22 @@ per sequence, so no plain path mixes them. Neither has the head split: a head's 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from adversarial import DEVICES, DTYPES, PROPERTY, assert_bitwise, n_differ
+from adversarial import (
+    DEVICES,
+    DTYPES,
+    PROPERTY,
+    Pairs,
+    assert_bitwise,
+    assert_holds,
+    count_broken,
+    num_threads,
+)
 from adversarial import wide as _wide
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,31 +44,6 @@ HQ, HKV, D, PAGE = 4, 2, 16, 16
 
 # A narrower exponent spread: scores multiply two wide values; wider only saturates softmax.
 wide = partial(_wide, spread=3)
-
-Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
-"""(what, one way, the other way): the harness's outputs that the property says are equal."""
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
-def assert_holds(pairs: Pairs) -> None:
-    for what, a, b in pairs:
-        assert_bitwise(a, b, what)
-
-
-def count_broken(pairs: Pairs) -> tuple[int, int, str]:
-    """(differing elements, elements, one line per pair) over the harness's outputs."""
-    per = [(what, n_differ(a, b), a.numel()) for what, a, b in pairs]
-    lines = "; ".join(f"{what}: {d} of {n}" for what, d, n in per)
-    return sum(d for _, d, _ in per), sum(n for _, _, n in per), lines
 
 
 def qkv(n: int, seed: int, dtype, device: str = "cpu", hq: int = HQ, hkv: int = HKV):

@@ -17,46 +17,33 @@ CPU, so they have no control. On CUDA the row reduction (RMSNorm's mean square) 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from adversarial import CUDA, DEVICES, DTYPES, PROPERTY, assert_bitwise, n_differ, wide
+from adversarial import (
+    CUDA,
+    DEVICES,
+    DTYPES,
+    PROPERTY,
+    Pairs,
+    assert_bitwise,
+    assert_holds,
+    count_broken,
+    n_differ,
+    num_threads,
+    wide,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onpolicy import kernels as K
 
 EPS = 1e-6
-Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
-"""(what, one way, the other way): the harness's outputs that the property says are equal."""
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def each_row_alone(fn, *batched: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(*(t[i : i + 1] for t in batched)) for i in range(batched[0].shape[0])])
-
-
-def assert_holds(pairs: Pairs) -> None:
-    for what, a, b in pairs:
-        assert_bitwise(a, b, what)
-
-
-def count_broken(pairs: Pairs) -> tuple[int, int, str]:
-    """(differing elements, elements, one line per pair) over the harness's outputs."""
-    per = [(what, n_differ(a, b), a.numel()) for what, a, b in pairs]
-    lines = "; ".join(f"{what}: {d} of {n}" for what, d, n in per)
-    return sum(d for _, d, _ in per), sum(n for _, _, n in per), lines
 
 
 # --- RMSNorm ----------------------------------------------------------------------------------

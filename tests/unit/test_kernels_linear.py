@@ -9,9 +9,6 @@ asserts there are none, and its negative control runs the same harness on the pl
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -25,6 +22,7 @@ from adversarial import (
     bitwise_equal,
     mismatch_report,
     n_differ,
+    one_thread,
     wide,
 )
 from hypothesis import assume, given, settings
@@ -34,17 +32,6 @@ from onpolicy.kernels.cpu.linear import _CHUNK_ELEMS
 
 BLOCKS_K = [3 * K.K_BLOCK, 5 * K.K_BLOCK, 6 * K.K_BLOCK, 7 * K.K_BLOCK]
 """K of 3, 5, 6 and 7 blocks: block trees with an odd carry (3, 5, 7) and an unbalanced one (6)."""
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Controls that run a library op pin the thread count (the default is the machine's)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 # --- batch invariance ---------------------------------------------------------------------------

@@ -17,13 +17,21 @@ of the log-normaliser shows in it.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 
 import pytest
 import torch
-from adversarial import DEVICES, DTYPES, PROPERTY, assert_bitwise, n_differ
+from adversarial import (
+    DEVICES,
+    DTYPES,
+    PROPERTY,
+    Pairs,
+    assert_bitwise,
+    assert_holds,
+    count_broken,
+    num_threads,
+)
 from adversarial import wide as _wide
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,30 +41,6 @@ from onpolicy import kernels as K
 wide = partial(_wide, spread=4)
 
 QWEN3_VOCAB = 151936
-Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
-"""(what, one way, the other way): the harness's outputs that the property says are equal."""
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
-def assert_holds(pairs: Pairs) -> None:
-    for what, a, b in pairs:
-        assert_bitwise(a, b, what)
-
-
-def count_broken(pairs: Pairs) -> tuple[int, int, str]:
-    """(differing elements, elements, one line per pair) over the harness's outputs."""
-    per = [(what, n_differ(a, b), a.numel()) for what, a, b in pairs]
-    lines = "; ".join(f"{what}: {d} of {n}" for what, d, n in per)
-    return sum(d for _, d, _ in per), sum(n for _, _, n in per), lines
 
 
 def tokens(m: int, vocab: int, seed: int, device: str) -> torch.Tensor:

@@ -11,9 +11,8 @@ asserts that it breaks.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -27,6 +26,7 @@ from adversarial import (
     bitwise_equal,
     mismatch_report,
     n_differ,
+    one_thread,
 )
 from adversarial import wide as _wide
 from hypothesis import given, settings
@@ -40,17 +40,6 @@ smallest is 0.07 .. 0.19 for most tokens) and every slot term counts in the comb
 
 # A narrower exponent spread: router logits and expert products stay finite in bf16.
 wide = partial(_wide, spread=6)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Controls that run a library op pin the thread count (the default is the machine's)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def experts(seed: int, dtype, device: str = "cpu") -> dict[str, torch.Tensor]:

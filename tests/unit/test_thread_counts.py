@@ -15,29 +15,18 @@ where the two formulas disagree its bits move with the chunk boundaries.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from adversarial import mismatch_report, wide
+from adversarial import mismatch_report, num_threads, wide
 from onpolicy import kernels as K
 from onpolicy.bits import as_bits, bitwise_equal
 
 THREADS = (1, 2, 4)
 GRAIN = 32768
 """at::internal::GRAIN_SIZE: below this many elements torch runs an op on one thread."""
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _flat(out) -> list[torch.Tensor]:
