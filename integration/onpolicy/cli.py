@@ -1,15 +1,18 @@
 """The `onpolicy` command. Subcommands: `upstream` (the patch-series tool), `validate` (the
-contract check of a run config, printing the resolved plan)."""
+contract check of a run config, printing the resolved plan), `parity` (SGLang samples, Megatron
+scores the same tokens; prints equal / compared log-probs per layout pair)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 USAGE = (
     "usage: onpolicy upstream {fetch,apply,export,check,rebase,status} ...\n"
-    "       onpolicy validate --config FILE [--set KEY=VALUE ...] [--json]"
+    "       onpolicy validate --config FILE [--set KEY=VALUE ...] [--json]\n"
+    "       onpolicy parity --config FILE [--set KEY=VALUE ...] [--pairs ROLLOUT:TRAINING ...]"
 )
 
 
@@ -45,6 +48,62 @@ def validate_main(argv: list[str]) -> int:
     return 0
 
 
+def parity_main(argv: list[str]) -> int:
+    """Exit 0 when every pair is bitwise equal, 1 on a mismatch, 2 for a refused config or
+    pair, 3 when a rollout or trainer process died."""
+    ap = argparse.ArgumentParser(
+        prog="onpolicy parity",
+        description="SGLang samples, Megatron scores the same tokens from the same checkpoint; "
+        "every generated token's two log-probs must have the same bits.",
+    )
+    ap.add_argument("--config", required=True, help="TOML run config, e.g. configs/tiny-cpu.toml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (TOML value); wins over the file")  # fmt: skip
+    ap.add_argument("--pairs", nargs="+", metavar="ROLLOUT:TRAINING",
+                    help="layout pairs, e.g. tp2-ep2:world8-tp2-pp2-ep2-sp tp1:tp2-sp "
+                    "(rollout: tp, ep; training: world, tp, pp, ep, etp, sp); default: the "
+                    "config's rollout and training layouts")  # fmt: skip
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
+    ap.add_argument("--workdir", default="runs/parity", help="checkpoint, rollouts, logs")
+    args = ap.parse_args(argv)
+    from onpolicy.contract import ContractError, load_config, parse_override
+    from onpolicy.parity import (
+        ParityRun,
+        WorkerError,
+        config_pair,
+        format_table,
+        parse_pair,
+        run_pairs,
+    )
+
+    try:
+        overrides = dict(parse_override(item) for item in args.set)
+        if args.prompts < 1 or args.new_tokens < 1 or not args.temperature > 0:
+            raise ContractError(
+                "parity_sampling",
+                f"--prompts {args.prompts}, --new-tokens {args.new_tokens}, --temperature "
+                f"{args.temperature}: each must be positive",
+                "pass at least one prompt and one new token, and a temperature above 0",
+            )
+        pairs = [parse_pair(s) for s in args.pairs or []]
+        pairs = pairs or [config_pair(load_config(args.config, overrides))]
+        run = ParityRun(config=args.config, overrides=overrides, workdir=Path(args.workdir),
+                        prompts=args.prompts, new_tokens=args.new_tokens,
+                        temperature=args.temperature, seed=args.seed)  # fmt: skip
+        results = run_pairs(run, pairs, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except ContractError as e:
+        print(f"onpolicy parity: {args.config}: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"onpolicy parity: {e}", file=sys.stderr)
+        return 3
+    print(format_table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -56,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         return upstream_main(argv[1:])
     if argv[0] == "validate":
         return validate_main(argv[1:])
-    print(f"onpolicy: unknown command {argv[0]!r} (known: upstream, validate)", file=sys.stderr)
+    if argv[0] == "parity":
+        return parity_main(argv[1:])
+    print(f"onpolicy: unknown command {argv[0]!r} (known: upstream, validate, parity)",
+          file=sys.stderr)  # fmt: skip
     return 2
 
 

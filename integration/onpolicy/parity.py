@@ -1,0 +1,356 @@
+"""`onpolicy parity`: SGLang samples, Megatron scores the same tokens, the log-probs must be equal.
+
+For each layout pair (a rollout engine's TP/EP, a trainer's TP/PP/EP/ETP/SP) of a run config:
+1. the model's HF checkpoint (the config's folder, or the seeded tiny model written once under
+   the work folder);
+2. one exact SGLang engine at the rollout layout samples the prompts with per-token log-probs
+   (`onpolicy.parity_rollout`, its own process); pairs with the same rollout share it;
+3. Megatron at the training layout scores prompt + completion by forward_only
+   (`onpolicy.parity_worker` under torchrun);
+4. each generated token's two fp32 log-probs are compared as bits (`onpolicy.bits`).
+The table says, per pair, how many tokens are equal of how many compared; a mismatch names
+the first differing token: sample, position, token id, both values and their bits in hex.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import onpolicy
+from onpolicy.bits import as_bits, hex_bits
+from onpolicy.contract import ContractError, RunConfig, load_config, resolve_plan
+from onpolicy.layout import ParallelLayout
+from onpolicy.parity_rollout import RolloutRequest, engine_env
+
+INTEGRATION = Path(onpolicy.__file__).resolve().parents[1]
+
+
+# --- layout pairs -----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutLayout:
+    """One SGLang engine's parallel degrees."""
+
+    tp: int = 1
+    """Ranks of the engine (SGLang tp_size)."""
+    ep: int = 1
+    """Expert parallel size inside the engine."""
+
+    @property
+    def name(self) -> str:
+        return f"tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pair:
+    """A rollout layout and the trainer layout that must reproduce its log-probs."""
+
+    rollout: RolloutLayout
+    """The sampling engine's layout."""
+    training: ParallelLayout
+    """The scoring trainer's layout."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.rollout.name}:{training_name(self.training)}"
+
+
+def training_name(t: ParallelLayout) -> str:
+    """`world8-tp2-pp2-ep2-sp`: the world, then every degree above 1 (the `--pairs` spelling)."""
+    parts = [f"world{t.world}"] + [f"{k}{getattr(t, k)}" for k in ("tp", "pp", "ep", "etp")
+                                   if getattr(t, k) > 1]  # fmt: skip
+    return "-".join(parts + (["sp"] if t.sp else []))
+
+
+_TOKEN = re.compile(r"^(world|tp|pp|ep|etp)(\d+)$|^sp$")
+
+
+def parse_pair(spec: str) -> Pair:
+    """`ROLLOUT:TRAINING`, e.g. `tp2-ep2:world8-tp2-pp2-ep2-sp` or `tp1:tp2-sp`.
+
+    Rollout tokens: tp<N>, ep<N>. Training tokens: world<N> (default tp x pp), tp<N>, pp<N>,
+    ep<N>, etp<N>, sp. Unnamed degrees are 1.
+    """
+    rollout, sep, training = spec.partition(":")
+    if not sep or not rollout or not training:
+        raise ContractError("parity_pairs", f"--pairs {spec!r} is not ROLLOUT:TRAINING",
+                            "write e.g. tp2-ep2:world8-tp2-pp2-ep2-sp")  # fmt: skip
+
+    def dims(side: str, text: str, allowed: set[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for tok in text.split("-"):
+            m = _TOKEN.match(tok)
+            key = "sp" if tok == "sp" else (m.group(1) if m else None)
+            if m is None or key not in allowed or key in out:
+                raise ContractError(
+                    "parity_pairs",
+                    f"--pairs {spec!r}: {side} token {tok!r} is unknown or repeated",
+                    f"{side} tokens are {', '.join(sorted(allowed))} (<name><size>, and sp)",
+                )
+            out[key] = 1 if key == "sp" else int(m.group(2))
+        return out
+
+    r = dims("rollout", rollout, {"tp", "ep"})
+    t = dims("training", training, {"world", "tp", "pp", "ep", "etp", "sp"})
+    world = t.pop("world", t.get("tp", 1) * t.get("pp", 1))
+    sp = bool(t.pop("sp", 0))
+    return Pair(rollout=RolloutLayout(**r), training=ParallelLayout(world=world, sp=sp, **t))
+
+
+def config_pair(cfg: RunConfig) -> Pair:
+    """The pair a run config names: its rollout engine and its trainer."""
+    t = cfg.training
+    training = ParallelLayout(world=t.world, tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, sp=t.sp)
+    return Pair(rollout=RolloutLayout(tp=cfg.rollout.tp, ep=cfg.rollout.ep), training=training)
+
+
+def pair_overrides(pair: Pair) -> dict[str, object]:
+    """Config overrides that put `pair` into a run config (engines fill the trainer's world
+    when they can share its ranks, else the engine runs on its own)."""
+    t, r = pair.training, pair.rollout
+    engines = max(t.world // r.tp, 1)
+    return {
+        "training.world": t.world, "training.tp": t.tp, "training.pp": t.pp,
+        "training.ep": t.ep, "training.etp": t.etp, "training.sp": t.sp, "training.dp": 0,
+        "rollout.tp": r.tp, "rollout.ep": r.ep, "rollout.engines": engines,
+        "rollout.colocate": engines * r.tp == t.world,
+    }  # fmt: skip
+
+
+def pair_config(path: str | os.PathLike, overrides: dict[str, object], pair: Pair) -> RunConfig:
+    """The run config with `pair`'s layouts, checked against the contract (ContractError)."""
+    cfg = load_config(path, {**overrides, **pair_overrides(pair)})
+    try:
+        resolve_plan(cfg)
+    except ContractError as e:
+        raise ContractError(e.rule, f"layout pair {pair.name}: {e.problem}", e.fix) from None
+    return cfg
+
+
+# --- comparing --------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mismatch:
+    """The first generated token whose two log-probs differ in their bits."""
+
+    sample: int
+    """Index of the sample (prompt) in the rollout."""
+    position: int
+    """Position of the token in prompt + completion."""
+    completion_index: int
+    """Index of the token among the sample's generated tokens."""
+    token: int
+    """The token id."""
+    rollout: torch.Tensor
+    """The rollout engine's fp32 log-prob (a 0-d tensor, so its bits are kept)."""
+    trainer: torch.Tensor
+    """The trainer's fp32 log-prob."""
+
+    def describe(self) -> str:
+        return (
+            f"first mismatch: sample {self.sample}, position {self.position} (generated token "
+            f"{self.completion_index}), token id {self.token}: rollout "
+            f"{float(self.rollout)!r} ({hex_bits(self.rollout)}) vs trainer "
+            f"{float(self.trainer)!r} ({hex_bits(self.trainer)})"
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class PairResult:
+    """One pair's verdict."""
+
+    pair: str
+    """The pair's name (ROLLOUT:TRAINING)."""
+    compared: int
+    """Generated tokens compared."""
+    equal: int
+    """Of those, tokens whose two log-probs have the same bits."""
+    first: Mismatch | None = None
+    """The first differing token, None when all are equal."""
+
+    @property
+    def ok(self) -> bool:
+        return self.compared > 0 and self.equal == self.compared
+
+
+def compare(samples: list[dict], scores: dict[int, torch.Tensor], pair: str = "") -> PairResult:
+    """Each sample's rollout log-probs against the trainer's log-probs of the same tokens.
+
+    `samples`: the rollout's records (prompt, output_ids, logprobs); `scores`: sample index ->
+    the trainer's fp32 log-probs of tokens 1..len-1 of prompt + output.
+    """
+    compared = equal = 0
+    first = None
+    for i, s in enumerate(samples):
+        if i not in scores:
+            raise ValueError(f"{pair}: the trainer returned no scores for sample {i}")
+        n_prompt, out = len(s["prompt"]), s["output_ids"]
+        got = torch.tensor(s["logprobs"], dtype=torch.float32)
+        want = scores[i][n_prompt - 1 :]
+        if want.dtype != torch.float32 or want.shape != got.shape:
+            raise ValueError(
+                f"{pair}: sample {i}: trainer log-probs are {want.dtype} {tuple(want.shape)}, "
+                f"the rollout's float32 {tuple(got.shape)}"
+            )
+        same = as_bits(got) == as_bits(want)
+        compared += len(out)
+        equal += int(same.sum())
+        if first is None and not bool(same.all()):
+            j = int(torch.nonzero(~same)[0])
+            first = Mismatch(sample=i, position=n_prompt + j, completion_index=j, token=out[j],
+                             rollout=got[j], trainer=want[j])  # fmt: skip
+    return PairResult(pair=pair, compared=compared, equal=equal, first=first)
+
+
+def format_table(results: list[PairResult]) -> str:
+    """One row per pair: equal / compared, then each mismatch's first differing token."""
+    width = max([len("pair")] + [len(r.pair) for r in results])
+    out = [f"{'pair'.ljust(width)}  {'equal / compared':>18}  verdict"]
+    for r in results:
+        verdict = "bitwise equal" if r.ok else "DIFFER"
+        out.append(f"{r.pair.ljust(width)}  {f'{r.equal} / {r.compared}':>18}  {verdict}")
+    for r in results:
+        if r.first is not None:
+            out.append(f"{r.pair}: {r.first.describe()}")
+    return "\n".join(out)
+
+
+# --- running the two sides --------------------------------------------------------------------
+class WorkerError(RuntimeError):
+    """A rollout or trainer process exited non-zero; the message carries the tail of its log."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParityRun:
+    """Everything one `onpolicy parity` invocation needs besides the pairs."""
+
+    config: str
+    """The run config file."""
+    overrides: dict[str, object] = field(default_factory=dict)
+    """`--set` overrides, applied before each pair's layouts."""
+    workdir: Path = Path("runs/parity")
+    """Where the checkpoint, rollouts, scores and logs go."""
+    prompts: int = 4
+    """How many prompts each rollout samples."""
+    new_tokens: int = 16
+    """Tokens generated per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scores at the same one)."""
+    seed: int = 0
+    """Seed of the prompts and of the sampling."""
+    timeout: float = 900
+    """Seconds a worker may run before it counts as dead."""
+
+
+def checkpoint(cfg: RunConfig, workdir: Path) -> Path:
+    """The config's HF folder, or the seeded tiny checkpoint, written once per shape and seed."""
+    if cfg.model.hf_path:
+        return Path(cfg.model.hf_path)
+    from onpolicy.models.tiny import DONE, write_tiny_checkpoint
+
+    key = hashlib.sha256(repr((cfg.shape, cfg.model.seed)).encode()).hexdigest()[:12]
+    out = workdir / f"tiny-seed{cfg.model.seed}-{key}"
+    if not (out / DONE).is_file():
+        write_tiny_checkpoint(out, cfg.shape, seed=cfg.model.seed)
+    return out
+
+
+def make_prompts(cfg: RunConfig, n: int, seed: int) -> list[list[int]]:
+    """`n` prompts of varied lengths (3 to 12 tokens) of ids below the end-of-sequence id."""
+    g = torch.Generator().manual_seed(seed)
+    high = cfg.shape.eos_token_id
+    lengths = [3 + (5 * i + seed) % 10 for i in range(n)]
+    return [torch.randint(0, high, (k,), generator=g).tolist() for k in lengths]
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(INTEGRATION), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, **extra, "PYTHONPATH": path}
+
+
+def _run(what: str, cmd: list[str], env: dict, log: Path, timeout: float) -> None:
+    with log.open("w") as f:
+        try:
+            p = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            msg = f"{what} ran past {timeout:.0f} s and was killed; log: {log}"
+            raise WorkerError(msg) from None
+    if p.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise WorkerError(f"{what} exited {p.returncode}; log: {log}\n{tail}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
+            prompts: list[list[int]], folder: Path) -> list[dict]:  # fmt: skip
+    """Sample every prompt on one exact engine at `layout`; the samples with log-probs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    req = RolloutRequest(prompts=prompts, new_tokens=run.new_tokens,
+                         temperature=run.temperature, seed=run.seed)  # fmt: skip
+    (folder / "request.json").write_text(json.dumps(asdict(req)))
+    cmd = [sys.executable, "-m", "onpolicy.parity_rollout", "--ckpt", str(ckpt),
+           "--tp", str(layout.tp), "--ep", str(layout.ep), "--dtype", cfg.model.dtype,
+           "--request", str(folder / "request.json"),
+           "--out", str(folder / "samples.json")]  # fmt: skip
+    plan = resolve_plan(cfg)
+    env = _env(engine_env(layout.tp, folder, base={**os.environ, **plan.rollout_env}))
+    _run(f"rollout engine {layout.name}", cmd, env, folder / "rollout.log", run.timeout)
+    return json.loads((folder / "samples.json").read_text())["samples"]
+
+
+def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: ParallelLayout,
+                 samples_file: Path, folder: Path) -> dict[int, torch.Tensor]:  # fmt: skip
+    """Megatron's log-probs of every sample at `layout`, by sample index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("scores-rank*.pt"):
+        old.unlink()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={layout.world}",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+           "-m", "onpolicy.parity_worker", "--ckpt", str(ckpt), "--samples", str(samples_file),
+           "--out", str(folder), "--dtype", cfg.model.dtype, "--temperature", str(run.temperature),
+           "--tp", str(layout.tp), "--pp", str(layout.pp), "--ep", str(layout.ep),
+           "--etp", str(layout.etp)] + (["--sp"] if layout.sp else [])  # fmt: skip
+    env = _env(resolve_plan(cfg).training_env)
+    _run(f"trainer {training_name(layout)}", cmd, env, folder / "trainer.log", run.timeout)
+    scores: dict[int, torch.Tensor] = {}
+    for f in sorted(folder.glob("scores-rank*.pt")):
+        scores.update(torch.load(f))
+    return scores
+
+
+def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
+    """Check every pair (contract first, all of them, before anything starts), run one rollout
+    per distinct rollout layout and one trainer job per pair, and compare."""
+    configs = {p: pair_config(run.config, run.overrides, p) for p in pairs}
+    workdir = Path(run.workdir)
+    first = configs[pairs[0]]
+    ckpt = checkpoint(first, workdir)
+    prompts = make_prompts(first, run.prompts, run.seed)
+    rollouts: dict[RolloutLayout, tuple[Path, list[dict]]] = {}
+    results = []
+    for p in pairs:
+        cfg = configs[p]
+        if p.rollout not in rollouts:
+            folder = workdir / f"rollout-{p.rollout.name}"
+            log(f"parity: rollout {p.rollout.name} ({run.prompts} prompts x {run.new_tokens} "
+                f"tokens, T={run.temperature}) ...")  # fmt: skip
+            rollouts[p.rollout] = (folder, rollout(run, cfg, ckpt, p.rollout, prompts, folder))
+        folder, samples = rollouts[p.rollout]
+        log(f"parity: trainer {training_name(p.training)} scores rollout {p.rollout.name} ...")
+        out = workdir / f"train-{training_name(p.training)}-{p.rollout.name}"
+        scores = train_scores(run, cfg, ckpt, p.training, folder / "samples.json", out)
+        results.append(compare(samples, scores, p.name))
+    return results

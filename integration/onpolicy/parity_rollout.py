@@ -1,0 +1,108 @@
+"""The rollout side of `onpolicy parity`: one SGLang engine samples prompts, with log-probs.
+
+Runs in its own process (`python -m onpolicy.parity_rollout`): SGLANG_USE_CPU_ENGINE must be
+set before sglang is imported, and `Engine.shutdown()` kills every descendant of the process
+that made the engine, so the engine never lives in the driver. The weight-update tests reuse
+`launch`, `engine_env` and `sample`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutRequest:
+    """What one rollout samples: prompts, lengths, temperature, seed."""
+
+    prompts: list[list[int]]
+    """Prompt token ids, one list per sample."""
+    new_tokens: int
+    """Tokens to generate per prompt (EOS is ignored, so every sample has exactly this many)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    seed: int = 0
+    """Base sampling seed; sample i uses seed + i."""
+
+
+def engine_env(tp: int, cache_dir: str | os.PathLike, base: dict[str, str] | None = None) -> dict:
+    """The environment of an engine process on CPU: the CPU engine switch, one OpenMP core set
+    per TP rank (SGLang asserts ranks <= NUMA nodes without it), caches under the run folder."""
+    cores = os.cpu_count() or 1
+    return {
+        **(base if base is not None else os.environ),
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(tp)),
+        "SGLANG_CACHE_DIR": str(Path(cache_dir) / "sglang-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor-cache"),
+    }
+
+
+def engine_kwargs(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True) -> dict:
+    """`sglang.Engine(**kwargs)` for one CPU engine; `exact` routes every op to onpolicy.kernels,
+    otherwise SGLang's stock torch_native path runs (the negative control)."""
+    kwargs: dict[str, object] = dict(
+        model_path=ckpt, device="cpu", dtype=dtype, tp_size=tp, ep_size=ep,
+        attention_backend="torch_native", disable_cuda_graph=True, disable_radix_cache=True,
+        chunked_prefill_size=-1, mem_fraction_static=0.05, max_total_tokens=4096,
+        random_seed=1234, log_level="error", skip_tokenizer_init=True,
+    )  # fmt: skip
+    return kwargs
+
+
+def launch(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True):
+    """A started `sglang.Engine` (call `.shutdown()` when done)."""
+    import sglang as sgl
+
+    return sgl.Engine(**engine_kwargs(ckpt, tp, ep, dtype, exact))
+
+
+def sample(engine, req: RolloutRequest) -> list[dict]:
+    """Generate every prompt in one batch; per sample its output ids, fp32 log-probs (widened to
+    Python floats, which is exact) and the weight version the engine reported."""
+    params = [
+        {"temperature": req.temperature, "max_new_tokens": req.new_tokens, "ignore_eos": True,
+         "sampling_seed": req.seed + i}
+        for i in range(len(req.prompts))
+    ]  # fmt: skip
+    outs = engine.generate(input_ids=req.prompts, sampling_params=params, return_logprob=True)
+    result = []
+    for prompt, out in zip(req.prompts, outs, strict=True):
+        meta = out["meta_info"]
+        lps = meta["output_token_logprobs"]
+        ids = [t for _lp, t, _txt in lps]
+        if ids != out["output_ids"] or len(ids) != req.new_tokens:
+            raise RuntimeError(
+                f"engine returned {len(out['output_ids'])} tokens with {len(ids)} log-probs for "
+                f"prompt {prompt}; wanted {req.new_tokens} of each, for the same tokens"
+            )
+        result.append({"prompt": prompt, "output_ids": ids, "logprobs": [lp for lp, _t, _x in lps],
+                       "weight_version": meta.get("weight_version")})  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m onpolicy.parity_rollout", description=__doc__)
+    ap.add_argument("--ckpt", required=True, help="HF checkpoint folder")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--stock", action="store_true", help="SGLang's stock CPU path, not the exact")
+    ap.add_argument("--request", required=True, help="JSON file of a RolloutRequest")
+    ap.add_argument("--out", required=True, help="JSON file for the samples")
+    args = ap.parse_args(argv)
+    req = RolloutRequest(**json.loads(Path(args.request).read_text()))
+    engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock)
+    try:
+        samples = sample(engine, req)
+    finally:
+        engine.shutdown()
+    Path(args.out).write_text(json.dumps({"request": asdict(req), "samples": samples}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""One SGLang Engine through three weight updates, with a rollout after each, written as JSON.
+
+Phases, all on one engine (its launch dominates the cost):
+1. `initial`: a rollout on the checkpoint it was started with;
+2. `outside_session`: `update_weights_from_tensor` with other weights but no begin/end session,
+   which 0.5.23 must reject, then a rollout;
+3. `tensor`: begin, two `update_weights_from_tensor` buckets of full HF-named tensors (version
+   set on the request), end, then a rollout;
+4. `distributed`: a trainer process joins a gloo group with the engine's TP ranks and broadcasts
+   a third checkpoint; begin, `update_weights_from_distributed` (version set), end, a rollout.
+`python sglang_weights.py trainer ...` is that trainer process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+GROUP = "onpolicy_weights"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer(args: argparse.Namespace) -> None:
+    """Rank 0 of the weight-update group: broadcast every tensor, in the order of the names."""
+    import torch
+    from onpolicy.models.hf_layout import load_hf_state_dict
+    from sglang.srt.utils.common import init_custom_process_group
+
+    sd = load_hf_state_dict(args.ckpt)
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                                   world_size=args.world, rank=0, group_name=GROUP)  # fmt: skip
+    for name in json.loads(args.names):
+        torch.distributed.broadcast(sd[name].contiguous(), src=0, group=pg)
+
+
+def engine_phases(args: argparse.Namespace) -> list[dict]:
+    from onpolicy.models.hf_layout import load_hf_state_dict
+    from onpolicy.parity_rollout import RolloutRequest, launch, sample
+    from sglang.srt.managers.io_struct import (
+        UpdateWeightsFromDistributedReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    req = RolloutRequest(prompts=json.loads(args.prompts), new_tokens=args.new_tokens,
+                         temperature=args.temperature)  # fmt: skip
+    engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock)
+    tm, run = engine.tokenizer_manager, engine.loop.run_until_complete
+    phases: list[dict] = []
+
+    def record(name: str, **info: object) -> None:
+        phases.append({"phase": name, **info, "samples": sample(engine, req)})
+
+    try:
+        record("initial")
+
+        tensor_sd = load_hf_state_dict(args.tensor_ckpt)
+        ok, msg = engine.update_weights_from_tensor(list(tensor_sd.items()))
+        record("outside_session", success=ok, message=msg)
+
+        # Two buckets (experts, then the rest); only the last flushes the cache.
+        buckets = [[(n, t) for n, t in tensor_sd.items() if ".experts." in n],
+                   [(n, t) for n, t in tensor_sd.items() if ".experts." not in n]]  # fmt: skip
+        results = [engine.begin_weight_update()]
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            obj = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)] * args.tp,
+                flush_cache=last, weight_version=args.tensor_version if last else None,
+            )  # fmt: skip
+            results.append(run(tm.update_weights_from_tensor(obj, None)))
+        results.append(engine.end_weight_update())
+        record("tensor", results=results)
+
+        dist_sd = load_hf_state_dict(args.distributed_ckpt)
+        names = list(dist_sd)
+        port, world = free_port(), 1 + args.tp
+        proc = subprocess.Popen([
+            sys.executable, __file__, "trainer", "--ckpt", args.distributed_ckpt,
+            "--port", str(port), "--world", str(world), "--names", json.dumps(names),
+        ])  # fmt: skip
+        try:
+            results = [engine.init_weights_update_group("127.0.0.1", port, 1, world, GROUP,
+                                                         backend="gloo")]  # fmt: skip
+            results.append(engine.begin_weight_update())
+            obj = UpdateWeightsFromDistributedReqInput(
+                names=names,
+                dtypes=[str(dist_sd[n].dtype).removeprefix("torch.") for n in names],
+                shapes=[list(dist_sd[n].shape) for n in names],
+                group_name=GROUP, weight_version=args.distributed_version,
+            )  # fmt: skip
+            results.append(run(tm.update_weights_from_distributed(obj, None)))
+            results.append(engine.end_weight_update())
+        finally:
+            rc = proc.wait(timeout=300)
+        results.append(engine.destroy_weights_update_group(GROUP))
+        record("distributed", results=results, trainer_rc=rc)
+    finally:
+        engine.shutdown()
+    return phases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("engine")
+    e.add_argument("--ckpt", required=True, help="the checkpoint the engine starts with")
+    e.add_argument("--tensor-ckpt", required=True, help="weights for update_weights_from_tensor")
+    e.add_argument("--distributed-ckpt", required=True, help="weights the trainer broadcasts")
+    e.add_argument("--tensor-version", default="v1")
+    e.add_argument("--distributed-version", default="v2")
+    e.add_argument("--out", required=True)
+    e.add_argument("--tp", type=int, default=1)
+    e.add_argument("--ep", type=int, default=1)
+    e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--stock", action="store_true")
+    e.add_argument("--new-tokens", type=int, default=8)
+    e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--prompts", default="[[1, 2, 3, 4], [10, 20, 30], [500, 600, 700, 800, 900]]")
+    t = sub.add_parser("trainer")
+    t.add_argument("--ckpt", required=True)
+    t.add_argument("--port", type=int, required=True)
+    t.add_argument("--world", type=int, required=True)
+    t.add_argument("--names", required=True)
+    args = ap.parse_args()
+    if args.cmd == "trainer":
+        trainer(args)
+        return
+    phases = engine_phases(args)
+    with open(args.out, "w") as f:
+        json.dump({"phases": phases}, f, default=str)
+
+
+if __name__ == "__main__":
+    main()
