@@ -61,7 +61,8 @@ def parity_main(argv: list[str]) -> int:
                     help="override a config key (TOML value); wins over the file")  # fmt: skip
     ap.add_argument("--pairs", nargs="+", metavar="ROLLOUT:TRAINING",
                     help="layout pairs, e.g. tp2-ep2:world8-tp2-pp2-ep2-sp tp1:tp2-sp "
-                    "(rollout: tp, ep; training: world, tp, pp, ep, etp, sp); default: the "
+                    "(rollout: tp, ep, stock = SGLang's stock path, the negative control; "
+                    "training: world, tp, pp, ep, etp, sp); default: the "
                     "config's rollout and training layouts")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt")

@@ -44,10 +44,13 @@ class RolloutLayout:
     """Ranks of the engine (SGLang tp_size)."""
     ep: int = 1
     """Expert parallel size inside the engine."""
+    stock: bool = False
+    """Sample on SGLang's stock CPU path instead of the exact one: the negative control."""
 
     @property
     def name(self) -> str:
-        return f"tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+        ep = f"-ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}{ep}" + ("-stock" if self.stock else "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,14 +74,14 @@ def training_name(t: ParallelLayout) -> str:
     return "-".join(parts + (["sp"] if t.sp else []))
 
 
-_TOKEN = re.compile(r"^(world|tp|pp|ep|etp)(\d+)$|^sp$")
+_TOKEN = re.compile(r"^(world|tp|pp|ep|etp)(\d+)$|^(sp|stock)$")
 
 
 def parse_pair(spec: str) -> Pair:
     """`ROLLOUT:TRAINING`, e.g. `tp2-ep2:world8-tp2-pp2-ep2-sp` or `tp1:tp2-sp`.
 
-    Rollout tokens: tp<N>, ep<N>. Training tokens: world<N> (default tp x pp), tp<N>, pp<N>,
-    ep<N>, etp<N>, sp. Unnamed degrees are 1.
+    Rollout tokens: tp<N>, ep<N>, and `stock` (SGLang's stock path). Training tokens: world<N>
+    (default tp x pp), tp<N>, pp<N>, ep<N>, etp<N>, sp. Unnamed degrees are 1.
     """
     rollout, sep, training = spec.partition(":")
     if not sep or not rollout or not training:
@@ -89,21 +92,24 @@ def parse_pair(spec: str) -> Pair:
         out: dict[str, int] = {}
         for tok in text.split("-"):
             m = _TOKEN.match(tok)
-            key = "sp" if tok == "sp" else (m.group(1) if m else None)
+            key = (m.group(1) or m.group(3)) if m else None
             if m is None or key not in allowed or key in out:
                 raise ContractError(
                     "parity_pairs",
                     f"--pairs {spec!r}: {side} token {tok!r} is unknown or repeated",
                     f"{side} tokens are {', '.join(sorted(allowed))} (<name><size>, and sp)",
                 )
-            out[key] = 1 if key == "sp" else int(m.group(2))
+            out[key] = int(m.group(2)) if m.group(2) else 1
         return out
 
-    r = dims("rollout", rollout, {"tp", "ep"})
+    r = dims("rollout", rollout, {"tp", "ep", "stock"})
+    stock = bool(r.pop("stock", 0))
     t = dims("training", training, {"world", "tp", "pp", "ep", "etp", "sp"})
     world = t.pop("world", t.get("tp", 1) * t.get("pp", 1))
     sp = bool(t.pop("sp", 0))
-    return Pair(rollout=RolloutLayout(**r), training=ParallelLayout(world=world, sp=sp, **t))
+    return Pair(
+        rollout=RolloutLayout(stock=stock, **r), training=ParallelLayout(world=world, sp=sp, **t)
+    )
 
 
 def config_pair(cfg: RunConfig) -> Pair:
@@ -305,6 +311,7 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
            "--tp", str(layout.tp), "--ep", str(layout.ep), "--dtype", cfg.model.dtype,
            "--request", str(folder / "request.json"),
            "--out", str(folder / "samples.json")]  # fmt: skip
+    cmd += ["--stock"] if layout.stock else []
     plan = resolve_plan(cfg)
     env = _env(engine_env(layout.tp, folder, base={**os.environ, **plan.rollout_env}))
     _run(f"rollout engine {layout.name}", cmd, env, folder / "rollout.log", run.timeout)

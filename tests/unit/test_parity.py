@@ -1,0 +1,138 @@
+"""`onpolicy parity` without engines: the comparison, the first-mismatch report, pair specs and
+the refusals (contract rules, bad specs) before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from onpolicy.cli import main
+from onpolicy.contract import ContractError
+from onpolicy.parity import (
+    PairResult,
+    compare,
+    format_table,
+    pair_config,
+    parse_pair,
+    training_name,
+)
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
+
+
+def rollout_and_scores() -> tuple[list[dict], dict[int, torch.Tensor]]:
+    """Two samples; the trainer's scores cover tokens 1..len-1, prompt positions included."""
+    g = torch.Generator().manual_seed(0)
+    samples, scores = [], {}
+    for i, (n_prompt, n_out) in enumerate(((3, 4), (5, 6))):
+        prompt = list(range(10 * i, 10 * i + n_prompt))
+        out = list(range(100 + 10 * i, 100 + 10 * i + n_out))
+        lps = -torch.rand(n_prompt + n_out - 1, generator=g) * 8
+        samples.append({"prompt": prompt, "output_ids": out,
+                        "logprobs": [float(x) for x in lps[n_prompt - 1 :]]})  # fmt: skip
+        scores[i] = lps.clone()
+    return samples, scores
+
+
+def test_equal_scores_are_all_equal_and_prompt_positions_are_not_compared():
+    samples, scores = rollout_and_scores()
+    for i, s in enumerate(samples):  # the prompt's own log-probs are not the rollout's
+        scores[i][: len(s["prompt"]) - 1] = 0.0
+    r = compare(samples, scores, "tp1:world1")
+    assert (r.equal, r.compared, r.first, r.ok) == (10, 10, None, True)
+    # An off-by-one slice of the trainer's scores is caught.
+    shifted = {i: torch.cat([t[1:], t[:1]]) for i, t in scores.items()}
+    assert not compare(samples, shifted).ok
+
+
+def test_one_ulp_is_reported_with_sample_position_token_and_hex():
+    samples, scores = rollout_and_scores()
+    samples[1]["logprobs"][2] = -1.0
+    scores[1][len(samples[1]["prompt"]) - 1 + 2] = torch.nextafter(
+        torch.tensor(-1.0), torch.tensor(-2.0)
+    )
+    r = compare(samples, scores, "tp2-ep2:world8-tp2-pp2-ep2-sp")
+    assert (r.equal, r.compared, r.ok) == (9, 10, False)
+    m = r.first
+    assert (m.sample, m.position, m.completion_index, m.token) == (1, 5 + 2, 2, 112)
+    text = m.describe()
+    assert "sample 1, position 7 (generated token 2), token id 112" in text, text
+    assert "rollout -1.0 (0xbf800000) vs trainer -1.0000001192092896 (0xbf800001)" in text, text
+    table = format_table([r, PairResult(pair="tp1:world2-tp2-sp", compared=10, equal=10)])
+    lines = table.splitlines()
+    assert lines[1].split() == ["tp2-ep2:world8-tp2-pp2-ep2-sp", "9", "/", "10", "DIFFER"]
+    assert lines[2].split() == ["tp1:world2-tp2-sp", "10", "/", "10", "bitwise", "equal"]
+    assert lines[3] == f"tp2-ep2:world8-tp2-pp2-ep2-sp: {text}"
+
+
+def test_first_mismatch_is_the_earliest_sample_then_position():
+    samples, scores = rollout_and_scores()
+    for i, j in ((1, 0), (0, 3), (0, 1)):
+        samples[i]["logprobs"][j] += 1.0
+    m = compare(samples, scores).first
+    assert (m.sample, m.completion_index, m.position) == (0, 1, 3 + 1), m
+
+
+def test_signed_zero_differs():
+    samples, scores = rollout_and_scores()
+    samples[0]["logprobs"][0] = 0.0
+    scores[0][len(samples[0]["prompt"]) - 1] = -0.0
+    r = compare(samples, scores)
+    assert r.equal == r.compared - 1 and "(0x00000000) vs trainer -0.0 (0x80000000)" in (
+        r.first.describe()
+    )
+
+
+def test_missing_or_misshapen_scores_are_refused():
+    samples, scores = rollout_and_scores()
+    with pytest.raises(ValueError, match="no scores for sample 1"):
+        compare(samples, {0: scores[0]}, "p")
+    with pytest.raises(ValueError, match="bfloat16"):
+        compare(samples, {i: t.bfloat16() for i, t in scores.items()}, "p")
+
+
+def test_pair_specs():
+    p = parse_pair("tp2-ep2:world8-tp2-pp2-ep2-sp")
+    assert (p.rollout.tp, p.rollout.ep) == (2, 2)
+    t = p.training
+    assert (t.world, t.tp, t.pp, t.ep, t.etp, t.sp, t.dp) == (8, 2, 2, 2, 1, True, 2)
+    assert p.name == "tp2-ep2:world8-tp2-pp2-ep2-sp" and training_name(t) == p.name.split(":")[1]
+    assert parse_pair("tp1:tp2-sp").training.world == 2
+    stock = parse_pair("tp1-stock:world1").rollout
+    assert stock.stock and stock.name == "tp1-stock" and not parse_pair("tp1:world1").rollout.stock
+    bad_specs = (
+        "tp2",
+        "tp2:",
+        "tp2-pp2:world1",
+        "tp2:tp2-tp2-sp",
+        "tp2:world8-xp2",
+        "tpx:tp1",
+        "tp1:world1-stock",
+        "tp1-sp:world1",
+    )
+    for bad in bad_specs:
+        with pytest.raises(ContractError, match="parity_pairs"):
+            parse_pair(bad)
+
+
+def test_pairs_are_checked_against_the_contract():
+    cfg = pair_config(CONFIG, {}, parse_pair("tp2-ep2:world1"))
+    assert (cfg.rollout.engines, cfg.rollout.colocate, cfg.training.world) == (1, False, 1)
+    # Rollout MoE TP 2 against training ETP 1 would cut the experts' K differently.
+    with pytest.raises(ContractError, match="rollout_moe_tp_equals_etp") as e:
+        pair_config(CONFIG, {}, parse_pair("tp2:world1"))
+    assert "layout pair tp2:world1" in str(e.value)
+    with pytest.raises(ContractError, match="sp_required"):
+        pair_config(CONFIG, {}, parse_pair("tp1:tp2"))
+
+
+def test_cli_refuses_bad_input_with_exit_2(tmp_path, capsys):
+    work = ["--workdir", str(tmp_path)]
+    assert main(["parity", "--config", str(tmp_path / "none.toml"), *work]) == 2
+    assert "config_file" in capsys.readouterr().err
+    assert main(["parity", "--config", str(CONFIG), "--pairs", "tp3:world1", *work]) == 2
+    assert "power_of_2_groups" in capsys.readouterr().err
+    assert main(["parity", "--config", str(CONFIG), "--new-tokens", "0", *work]) == 2
+    assert "parity_sampling" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "a refused run must not start anything"
