@@ -1,0 +1,131 @@
+"""The switch `rl_on_policy_target="onpolicy"`: which settings keep SGLang on the exact path.
+
+`check(args)` runs while SGLang resolves its ServerArgs (the patched deterministic-inference
+hook calls it in place of forcing SGLang's own deterministic mode). It raises one
+`ContractError` naming the first setting that would leave the exact path, so the engine refuses
+to start instead of returning log-probs that differ from the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onpolicy.contract.errors import ContractError, is_power_of_2
+
+TARGET = "onpolicy"
+"""The value of SGLang's `rl_on_policy_target` that turns the exact path on."""
+
+ATTENTION_BACKEND = "onpolicy"
+"""The attention backend the exact path registers (prefill, extend and decode)."""
+
+DTYPES = ("bfloat16", "float32")
+"""Model dtypes the exact path serves: the contract dtype (bf16) and fp32."""
+
+
+def active() -> bool:
+    """Whether this SGLang process runs with the switch on (False before its config exists)."""
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        return get_exec().deterministic.rl_on_policy_target == TARGET
+    except (ValueError, RuntimeError, AttributeError):
+        return False
+
+
+def _refuse(rule: str, problem: str, fix: str) -> None:
+    raise ContractError(rule, f"rl_on_policy_target={TARGET!r}: {problem}", fix)
+
+
+def _check_backends(args: Any) -> None:
+    for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        got = getattr(args, name, None)
+        if name == "attention_backend" and got != ATTENTION_BACKEND:
+            _refuse("rollout_attention_backend",
+                    f"attention_backend is {got!r}; only the {ATTENTION_BACKEND!r} backend runs "
+                    "prefill, chunked prefill and decode through onpolicy.kernels",
+                    f"pass attention_backend={ATTENTION_BACKEND!r}")  # fmt: skip
+        if name != "attention_backend" and got not in (None, ATTENTION_BACKEND):
+            _refuse("rollout_attention_backend",
+                    f"{name} is {got!r}; a second backend would serve part of the batches "
+                    "with other arithmetic",
+                    f"leave {name} unset or pass {ATTENTION_BACKEND!r}")  # fmt: skip
+
+
+def _check_features(args: Any) -> None:
+    spec = getattr(args, "speculative_algorithm", None)
+    if spec is not None:
+        _refuse("rollout_no_speculative_decoding",
+                f"speculative_algorithm is {spec!r}; draft-and-verify decoding scores tokens "
+                "with batches the exact path does not cover",
+                "leave speculative_algorithm unset")  # fmt: skip
+    if not getattr(args, "disable_cuda_graph", False):
+        _refuse("rollout_no_cuda_graphs",
+                "CUDA graphs are not supported on the exact path yet (a captured graph would "
+                "replay kernels chosen at capture time)",
+                "pass disable_cuda_graph=True")  # fmt: skip
+    if getattr(args, "enable_torch_compile", False):
+        _refuse("rollout_no_torch_compile",
+                "enable_torch_compile would let inductor fuse and reorder the exact ops",
+                "pass enable_torch_compile=False")  # fmt: skip
+    for name in ("enable_dp_attention", "enable_two_batch_overlap"):
+        if getattr(args, name, False):
+            _refuse("rollout_layout", f"{name} is on; it splits batches across ranks",
+                    f"pass {name}=False")  # fmt: skip
+    pp = getattr(args, "pp_size", 1) or 1
+    if pp != 1:
+        _refuse("rollout_layout", f"pp_size is {pp}; the exact path serves TP/EP engines only",
+                "pass pp_size=1")  # fmt: skip
+    a2a = getattr(args, "moe_a2a_backend", "none") or "none"
+    if a2a != "none":
+        _refuse("rollout_layout",
+                f"moe_a2a_backend is {a2a!r}; the exact EP combine runs over the TP group",
+                "pass moe_a2a_backend='none'")  # fmt: skip
+    dtype = getattr(args, "dtype", None)
+    if dtype not in DTYPES:
+        _refuse("dtype", f"dtype is {dtype!r}; the model dtype must be named explicitly",
+                f"pass dtype as one of {DTYPES}")  # fmt: skip
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    if kv not in ("auto", dtype):
+        _refuse("dtype", f"kv_cache_dtype is {kv!r}, not the model dtype {dtype!r}",
+                "pass kv_cache_dtype='auto'")  # fmt: skip
+
+
+def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
+             device: str = "cpu") -> None:  # fmt: skip
+    """Refuse a TP/EP whose row-parallel sums would not equal the unsharded reference's.
+
+    The attention output projection is cut over TP along K = heads x head_dim, the experts'
+    down projection over MoE TP = tp / ep along K = moe_intermediate; each cut must be an
+    aligned subtree of the block tree (`kernels.rules.row_parallel_exact`). Embedding, the QKV
+    and gate/up projections and the vocab-parallel LM head are cut along N: exact at any TP.
+    """
+    from onpolicy.kernels.rules import row_parallel_exact
+
+    if not (is_power_of_2(tp) and is_power_of_2(ep)):
+        _refuse("power_of_2_groups", f"tp_size = {tp}, ep_size = {ep}",
+                "use power-of-2 tp_size and ep_size")  # fmt: skip
+    if tp % ep:
+        _refuse("rollout_ep_divides_tp", f"ep_size = {ep} does not divide tp_size = {tp}",
+                "set ep_size to a divisor of tp_size")  # fmt: skip
+    for what, k, t in (("the attention projection's K = heads x head_dim", heads * head_dim, tp),
+                       ("the experts' down projection K = moe_intermediate_size",
+                        moe_intermediate, tp // ep)):  # fmt: skip
+        if not row_parallel_exact(k, t, device):
+            ok = [s for s in (1, 2, 4, 8) if row_parallel_exact(k, s, device)]
+            _refuse("rollout_tp_tree_exact",
+                    f"a TP of {t} cuts {what} = {k} into shards of {k / t:g}: not an aligned "
+                    "subtree of the block tree, so the engine's sums would differ from the "
+                    "reference model's",
+                    f"use a TP (over EP for the experts) in {ok}")  # fmt: skip
+
+
+def check(args: Any) -> None:
+    """Refuse any setting that would leave the exact path; `args` is SGLang's resolving view."""
+    _check_backends(args)
+    _check_features(args)
+    from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig.from_hf(args.model_path)
+    device = getattr(args, "device", None) or "cpu"
+    check_tp(args.tp_size, args.ep_size or 1, cfg.num_attention_heads, cfg.head_dim,
+             cfg.moe_intermediate_size, device)  # fmt: skip
