@@ -20,6 +20,7 @@ from types import ModuleType
 
 import torch
 
+from onpolicy.kernels.autograd import exact_with_native_grad
 from onpolicy.kernels.cpu import activation as _cpu_activation
 from onpolicy.kernels.cpu import attention as _cpu_attention
 from onpolicy.kernels.cpu import linear as _cpu_linear
@@ -180,6 +181,20 @@ def vocab_parallel_token_logprobs(
     return _impl("vocab_parallel_token_logprobs", shards[0])(shards, tokens, temperature)
 
 
+def sumexp_partial(shard: torch.Tensor, vmax: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """One vocab-parallel rank's share of the log-softmax sum: exp(shard - vmax) over its
+    `n_segments` whole segments, tree-summed, fp32. `vmax` is the full-vocab max; the ranks'
+    shares combined by the pairwise tree in rank order are the full sum bit for bit. The
+    gradient is that of torch's exp-sum (vmax is a constant)."""
+    exact = _impl("sumexp_partial", shard)
+    vmax = vmax.detach()
+    return exact_with_native_grad(
+        lambda s: exact(s, vmax, n_segments),
+        lambda s: torch.exp(s.float() - vmax[..., None]).sum(-1),
+        shard,
+    )
+
+
 # --- MoE --------------------------------------------------------------------------------------
 def moe_route(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool = True
@@ -232,6 +247,6 @@ __all__ = [
     "linear", "linear_partial", "log_softmax", "moe", "moe_combine", "moe_expert_outputs",
     "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",
     "rms_norm", "rope", "rope_table", "row_parallel_exact", "row_parallel_linear",
-    "scale_logits", "silu_mul", "token_logprobs", "tree_sum", "vocab_parallel_exact",
-    "vocab_parallel_token_logprobs", "vocab_segments",
+    "scale_logits", "silu_mul", "sumexp_partial", "token_logprobs", "tree_sum",
+    "vocab_parallel_exact", "vocab_parallel_token_logprobs", "vocab_segments",
 ]  # fmt: skip

@@ -1,7 +1,8 @@
 """Build a megatron-core GPTModel for a Qwen3-MoE HF config, on the patched upstream.
 
-The model uses the local (non-Transformer-Engine) layer spec, so it runs on CPU with gloo as
-well as on CUDA: RMSNorm, q/k-norm, SwiGLU experts, RoPE, GQA, top-k MoE. Parallelism is
+The model uses the exact layer spec (`onpolicy.train.spec`, every numeric module from
+`onpolicy.kernels` and `onpolicy.collectives`) or megatron-core's local (non-Transformer-Engine)
+spec; both run on CPU with gloo as well as on CUDA. Parallelism is
 the run's `ParallelLayout`; `initialize_parallel_state` sets megatron-core's groups from it and
 checks that every rank sits where the layout says.
 """
@@ -67,30 +68,82 @@ def transformer_config(
     )
 
 
+SPECS = ("exact", "local")
+"""`exact`: every numeric module from onpolicy (`onpolicy.train.spec`); `local`: megatron-core's
+stock local spec, the baseline the exact one is compared against."""
+
+
+def _exact_gpt_model_class():
+    from megatron.core.models.gpt import GPTModel
+
+    from onpolicy.train.exact_layers import ExactColumnParallelLinear
+
+    class ExactGPTModel(GPTModel):
+        """GPTModel with the LM head as `ExactColumnParallelLinear`.
+
+        GPTModel hard-codes its output layer class, so it is rebuilt here with the same
+        arguments (same parameter and state-dict names)."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if self.post_process:
+                old = self.output_layer
+                self.output_layer = ExactColumnParallelLinear(
+                    self.config.hidden_size, self.vocab_size, config=self.config,
+                    init_method=self.config.init_method, bias=False, skip_bias_add=False,
+                    gather_output=old.gather_output,
+                    skip_weight_param_allocation=old.weight is None,
+                    embedding_activation_buffer=self.embedding_activation_buffer,
+                    grad_output_buffer=self.grad_output_buffer, tp_group=self.pg_collection.tp,
+                )  # fmt: skip
+                self.setup_embeddings_and_output_layer()
+
+    return ExactGPTModel
+
+
 def build_gpt_model(
-    cfg: Qwen3MoeConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32
+    cfg: Qwen3MoeConfig,
+    layout: ParallelLayout,
+    dtype: torch.dtype = torch.float32,
+    spec: str = "exact",
 ):
-    """GPTModel for this rank's pipeline stage, with the local layer spec."""
+    """GPTModel for this rank's pipeline stage, with the exact layer spec or the local one.
+
+    The exact model takes packed THD batches (`onpolicy.train.logprobs.PackedBatch`): its core
+    attention applies RoPE per packed segment, so GPTModel's own rotary embedding is off.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
+    if spec not in SPECS:
+        raise ValueError(f"build_gpt_model: spec {spec!r} is not one of {SPECS}")
     config = transformer_config(cfg, layout, dtype)
-    spec = get_gpt_layer_local_spec(
-        num_experts=cfg.num_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=True,
-        normalization="RMSNorm",
-    )
-    return GPTModel(
+    if spec == "exact":
+        from onpolicy.train.spec import exact_block_spec
+
+        model_cls = _exact_gpt_model_class()
+        layer_spec = exact_block_spec(cfg, get_num_layers_to_build(config))
+        rope = "none"  # applied by ExactCoreAttention
+    else:
+        model_cls = GPTModel
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=cfg.num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=True,
+            normalization="RMSNorm",
+        )
+        rope = "rope"
+    return model_cls(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layer_spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=rope,
         rotary_base=cfg.rope_theta,
     )
 

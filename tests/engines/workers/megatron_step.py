@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> None:
     initialize_parallel_state(layout)
     model_parallel_cuda_manual_seed(1234)
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
-    model = build_gpt_model(cfg, layout)
+    model = build_gpt_model(cfg, layout, spec="local")
     assert_replicas_identical(model)
 
     weights = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), layout, dist.get_rank(),

@@ -1,0 +1,231 @@
+"""Per-token log-probs of given sequences from the Megatron model, as the rollout computes them.
+
+- `PackedBatch`: sequences of any lengths packed end to end (THD), with `cu_seqlens`, the
+  next-token targets and the `PackedSeqParams` the exact model takes.
+- `token_logprobs(logits, targets, temperature)`: differentiable fp32 log p(target) from this
+  rank's vocab-parallel logits, `log_softmax(logits / T)` as `kernels.token_logprobs` computes it
+  on the full vocab: the max over ranks (exact in any order), each rank's `kernels.sumexp_partial`
+  over its whole vocab segments, the tree over ranks (`collectives.tree_all_reduce`), and the
+  target's logit from the rank that owns it. Not Megatron's cross-entropy, whose sum order and
+  formula differ.
+- `logprobs(model, sequences, temperature)`: forward-only through megatron-core's schedules at
+  any layout; every rank passes the same sequences, each DP replica scores its share, and
+  global rank 0 (the driver) receives every sequence's values once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from onpolicy import collectives
+from onpolicy import kernels as K
+from onpolicy.contract.errors import ContractError
+from onpolicy.kernels.rules import vocab_parallel_exact, vocab_segments
+
+
+@dataclass(kw_only=True, slots=True)
+class PackedBatch:
+    """Sequences packed end to end, then (if needed) one padding segment."""
+
+    tokens: torch.Tensor
+    """[T] int64 token ids: the sequences in order, then the padding segment."""
+    cu_seqlens: torch.Tensor
+    """[segments + 1] int32 segment starts; the padding segment, if any, is the last one."""
+    num_sequences: int
+    """Segments that are real sequences (the rest is padding)."""
+
+    @classmethod
+    def pack(cls, sequences: Sequence[Sequence[int] | torch.Tensor], *, multiple_of: int = 1,
+             pad_id: int = 0) -> PackedBatch:  # fmt: skip
+        """Pack `sequences`; pad with one extra segment to a multiple of `multiple_of` tokens
+        (sequence parallel splits the packed length over TP)."""
+        seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("PackedBatch.pack: an empty sequence has no tokens to score")
+        lengths = [len(s) for s in seqs]
+        pad = -sum(lengths) % multiple_of
+        if pad == 0 and not seqs:
+            pad = multiple_of  # an empty micro-batch still runs through every rank's layers
+        if pad:
+            seqs.append(torch.full((pad,), pad_id, dtype=torch.long))
+            lengths.append(pad)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        return cls(tokens=torch.cat(seqs), cu_seqlens=cu, num_sequences=len(sequences))
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, end) of every real sequence in the packed tokens."""
+        cu = self.cu_seqlens.tolist()
+        return list(itertools.pairwise(cu))[: self.num_sequences]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] position of each token inside its own segment."""
+        cu = self.cu_seqlens.tolist()
+        return torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """[T] the next token of each position's sequence; 0 at a segment's last position."""
+        nxt = torch.zeros_like(self.tokens)
+        for a, b in itertools.pairwise(self.cu_seqlens.tolist()):
+            nxt[a : b - 1] = self.tokens[a + 1 : b]
+        return nxt
+
+    def packed_seq_params(self, device: torch.device | str = "cpu"):
+        """megatron-core's THD parameters for this batch."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(device)
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+
+    def split(self, per_token: torch.Tensor) -> list[torch.Tensor]:
+        """Per real sequence, the values of positions 0..len-2 (those that predict a token)."""
+        return [per_token[a : b - 1] for a, b in self.spans]
+
+
+class _FromOwner(torch.autograd.Function):
+    """Each token's value from the TP rank owning its target's vocab shard; the gradient goes to
+    that rank only (the loss downstream is the same on every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, mine: torch.Tensor, owner: torch.Tensor, group) -> torch.Tensor:
+        ctx.save_for_backward(owner)
+        ctx.rank = dist.get_rank(group)
+        every = collectives.all_gather(mine[None], group, dim=0)
+        return every.gather(0, owner[None])[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (owner,) = ctx.saved_tensors
+        return torch.where(owner == ctx.rank, grad, torch.zeros_like(grad)), None, None
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   group=None) -> torch.Tensor:  # fmt: skip
+    """fp32 log p(targets) [...] under log_softmax(logits / T) over the full vocab.
+
+    `logits` [..., V/tp] is this rank's vocab shard (the model output), `group` the TP group
+    (default megatron-core's). Bit for bit `kernels.token_logprobs` of the gathered logits when
+    `rules.vocab_parallel_exact(V, tp)`; refused otherwise. Differentiable (exact forward, the
+    native gradient), so a loss function can use it.
+    """
+    group = _tp_group() if group is None else group
+    tp = dist.get_world_size(group)
+    width = logits.shape[-1]
+    vocab = width * tp
+    if not vocab_parallel_exact(vocab, tp):
+        raise ContractError(
+            "vocab_parallel_exact",
+            f"TP = {tp} cuts the vocab of {vocab} into shards of {width}, but the log-softmax sum "
+            f"is a tree over {vocab_segments(vocab)} segments: a shard would not hold whole ones",
+            "use a TP that divides the vocab's segment count",
+        )
+    x = K.scale_logits(logits, temperature).float()
+    targets = targets.to(x.device).long()
+    vmax = x.amax(dim=-1).detach()
+    if tp > 1:
+        vmax = collectives.all_gather(vmax[None], group, dim=0).amax(dim=0)
+    total = collectives.tree_all_reduce(K.sumexp_partial(x, vmax, vocab_segments(vocab) // tp),
+                                        group)  # fmt: skip
+    lse = vmax + torch.log(total)
+    mine = x.gather(-1, (targets % width)[..., None])[..., 0]
+    picked = mine if tp == 1 else _FromOwner.apply(mine, targets // width, group)
+    return picked - lse
+
+
+def _plan(n: int, dp: int) -> list[range]:
+    """Sequence indices of each DP replica: contiguous, the first n % dp one longer."""
+    sizes = collectives.sequence_split_sizes(n, dp)
+    starts = [0, *itertools.accumulate(sizes)]
+    return [range(a, b) for a, b in itertools.pairwise(starts)]
+
+
+def _micro_batches(idx: range, lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive sequences, at most `budget` tokens per micro-batch (a longer one alone)."""
+    out: list[list[int]] = []
+    used = budget
+    for i in idx:
+        if used + lengths[i] > budget or not out:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += lengths[i]
+    return out
+
+
+@torch.no_grad()
+def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperature: float = 1.0,
+             *, micro_batch_tokens: int = 4096) -> list[torch.Tensor] | None:  # fmt: skip
+    """Per sequence, fp32 log p(token i | tokens < i) for i = 1..len-1, through `forward_only`.
+
+    Call on every rank with the same sequences. Each DP replica packs its contiguous share into
+    micro-batches of at most `micro_batch_tokens` tokens (every replica runs as many, padded
+    with empty ones, since EP exchanges tokens across replicas). Returns the list on global
+    rank 0, in the order given; None on every other rank.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    models = list(model) if isinstance(model, list | tuple) else [model]
+    tp = ps.get_tensor_model_parallel_world_size()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    lengths = [len(s) for s in sequences]
+    plans = [_micro_batches(r, lengths, micro_batch_tokens) for r in _plan(len(sequences), dp)]
+    n_micro = max(len(p) for p in plans)
+    mine = plans[dp_rank] + [[]] * (n_micro - len(plans[dp_rank]))
+    batches = [PackedBatch.pack([sequences[i] for i in mb], multiple_of=tp) for mb in mine]
+    device = next(models[0].parameters()).device
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        out = chunk(mb.tokens[None].to(device), mb.positions[None].to(device), None,
+                    packed_seq_params=mb.packed_seq_params(device))  # fmt: skip
+
+        def collect(output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+            return token_logprobs(output[0], mb.targets, temperature).cpu()
+
+        return out, collect
+
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        per_mb = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=models,
+            num_microbatches=n_micro, seq_length=max(len(b.tokens) for b in batches),
+            micro_batch_size=1, forward_only=True, collect_non_loss_data=True,
+        )  # fmt: skip
+    finally:
+        for m, t in zip(models, was_training, strict=True):
+            m.train(t)
+    found: dict[int, torch.Tensor] = {}
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        for idx, mb, values in zip(mine, batches, per_mb, strict=True):
+            found.update(zip(idx, mb.split(values), strict=True))
+    gathered: list[dict[int, torch.Tensor]] | None = (
+        [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    )
+    dist.gather_object(found, gathered, dst=0)
+    if gathered is None:
+        return None
+    merged = {i: v for part in gathered for i, v in part.items()}
+    if sorted(merged) != list(range(len(sequences))):
+        raise RuntimeError(
+            f"logprobs: the last pipeline stage returned {len(merged)} of {len(sequences)} "
+            "sequences"
+        )
+    return [merged[i] for i in range(len(sequences))]
