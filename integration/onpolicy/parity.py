@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -284,9 +285,14 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 def _run(what: str, cmd: list[str], env: dict, log: Path, timeout: float) -> None:
     with log.open("w") as f:
+        # Its own process group, so a hung worker is killed with everything it started.
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)  # fmt: skip
         try:
-            p = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            p.wait(timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
             msg = f"{what} ran past {timeout:.0f} s and was killed; log: {log}"
             raise WorkerError(msg) from None
     if p.returncode != 0:

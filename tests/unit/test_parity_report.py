@@ -3,6 +3,8 @@ the refusals (contract rules, bad specs) before anything starts."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from onpolicy.cli import main
 from onpolicy.contract import ContractError
 from onpolicy.parity import (
     PairResult,
+    WorkerError,
+    _run,
     compare,
     format_table,
     pair_config,
@@ -136,3 +140,15 @@ def test_cli_refuses_bad_input_with_exit_2(tmp_path, capsys):
     assert main(["parity", "--config", str(CONFIG), "--new-tokens", "0", *work]) == 2
     assert "parity_sampling" in capsys.readouterr().err
     assert not any(tmp_path.iterdir()), "a refused run must not start anything"
+
+
+def test_a_dead_worker_is_named_with_its_exit_code_and_log(tmp_path):
+    log = tmp_path / "rollout.log"
+    cmd = [sys.executable, "-c", "import sys; print('loading weights'); sys.exit(7)"]
+    with pytest.raises(WorkerError) as e:
+        _run("rollout engine tp1", cmd, dict(os.environ), log, timeout=60)
+    msg = str(e.value)
+    assert msg.startswith(f"rollout engine tp1 exited 7; log: {log}") and "loading weights" in msg
+    hang = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(WorkerError, match="trainer world1 ran past 1 s and was killed"):
+        _run("trainer world1", hang, dict(os.environ), log, timeout=1)
