@@ -1,0 +1,206 @@
+"""One PPO-clip optimizer step of the policy on megatron-core: DDP + the distributed optimizer,
+Megatron's schedules (`get_forward_backward_func`), the loss on differentiable per-token
+log-probs of the model output.
+
+Normalisation: every micro-batch's loss_func hands Megatron the masked *sum* of per-token
+losses and its token count, with `calculate_per_token_loss` on. The schedule then neither
+divides by the micro-batch count nor does DDP by the DP size; `finalize_model_grads` sums the
+counts over micro-batches and DP ranks and divides the summed gradient once. The gradient is
+that of `loss.ppo_clip_loss` on the whole global batch (a token mean over all its unmasked
+tokens), however it is split into micro-batches and DP ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onpolicy.train.loss import PPOClipConfig, ppo_clip_loss
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSettings:
+    """Adam and its wrapping: what `setup_training` builds."""
+
+    lr: float = 1e-6
+    """Learning rate (constant; no scheduler is attached)."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (over all ranks); 0 turns clipping off."""
+    distributed_optimizer: bool = True
+    """Shard the fp32 main params and Adam state over DP (Megatron's DistributedOptimizer)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 even for bf16 params (bf16 sums over
+    micro-batches and DP ranks would round at every add)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyMicroBatch:
+    """One micro-batch of the policy update: model inputs and the per-token PPO inputs, each
+    per-token tensor [T] in the order of the log-probs that `logprobs_of` returns."""
+
+    inputs: Any
+    """What `forward` feeds the model (tokens, positions, packing)."""
+    old_logprobs: torch.Tensor
+    """Log-probs of the sampling policy (the rollout's)."""
+    advantages: torch.Tensor
+    """Per-token advantages."""
+    loss_mask: torch.Tensor
+    """1 where the token is trained on (response tokens), 0 elsewhere."""
+    ref_logprobs: torch.Tensor | None = None
+    """Reference-policy log-probs for the KL term (needed when kl_coef > 0)."""
+
+
+Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""(model chunk, micro-batch inputs) -> the chunk's output (logits on the last stage)."""
+LogprobsOf = Callable[[torch.Tensor, Any, float], torch.Tensor]
+"""(last-stage output, micro-batch inputs, temperature) -> differentiable log-probs [T]."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StepResult:
+    """What one step reports, the same on every rank."""
+
+    loss: float
+    """Token-mean PPO loss of the global batch, at the weights before the step."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    num_tokens: int
+    """Unmasked tokens of the global batch."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Token means over the global batch: pg_loss, kl, clip_frac(_low/_high), approx_kl, ratio."""
+
+
+def setup_training(
+    model: torch.nn.Module | Sequence[torch.nn.Module], settings: OptimizerSettings
+) -> tuple[list[torch.nn.Module], Any]:
+    """Wrap the model chunks in Megatron DDP and build Megatron's (distributed) Adam."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    config = chunks[0].config
+    # Read by DDP's constructor (no 1/dp pre-scaling) and by the schedules: set before wrapping.
+    config.calculate_per_token_loss = True
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
+        use_distributed_optimizer=settings.distributed_optimizer,
+    )
+    ddp = [
+        DistributedDataParallel(config, ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
+            adam_beta1=settings.adam_beta1,
+            adam_beta2=settings.adam_beta2,
+            adam_eps=settings.adam_eps,
+            clip_grad=settings.clip_grad,
+            bf16=config.params_dtype == torch.bfloat16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=settings.distributed_optimizer,
+        ),
+        ddp,
+    )
+    return ddp, optimizer
+
+
+def _forward_step(data_iterator, model, *, forward: Forward, logprobs_of: LogprobsOf,
+                  loss: PPOClipConfig, temperature: float):  # fmt: skip
+    mb: PolicyMicroBatch = next(data_iterator)
+    output = forward(model, mb.inputs)
+
+    def loss_func(output_tensor: torch.Tensor):
+        lp = logprobs_of(output_tensor, mb.inputs, temperature)
+        out = ppo_clip_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, loss,
+                            mb.ref_logprobs)  # fmt: skip
+        reduced = {"loss": out.loss_sum.detach(), "num_tokens": out.num_tokens.float(),
+                   **out.metrics}  # fmt: skip
+        return out.loss_sum, out.num_tokens.to(torch.int), reduced
+
+    return output, loss_func
+
+
+def forward_backward(
+    chunks: Sequence[torch.nn.Module],
+    microbatches: Sequence[PolicyMicroBatch],
+    *,
+    forward: Forward,
+    logprobs_of: LogprobsOf,
+    loss: PPOClipConfig,
+    temperature: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """Zero the grads, run the schedule with backward, finalize (DP reduce, /tokens).
+
+    Returns the global batch's token sums (loss, num_tokens, metrics) on every rank: the last
+    stage's micro-batch sums, summed over DP, sent to every stage.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        raise ValueError("forward_backward: no micro-batches")
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    seq = max(int(mb.loss_mask.numel()) for mb in microbatches)
+    step = partial(_forward_step, forward=forward, logprobs_of=logprobs_of, loss=loss,
+                   temperature=temperature)  # fmt: skip
+    out = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(microbatches), model=list(chunks),
+        num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=1,
+        forward_only=False,
+    )  # fmt: skip
+    keys = ["loss", "num_tokens", "pg_loss", "kl", "clip_frac_low", "clip_frac_high", "clip_frac",
+            "approx_kl", "ratio"]  # fmt: skip
+    device = microbatches[0].loss_mask.device
+    sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage():
+        for reduced in out:
+            sums += torch.stack([reduced[k].double() for k in keys])
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())  # fmt: skip
+    return dict(zip(keys, sums.cpu(), strict=True))
+
+
+def train_step(
+    chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    microbatches: Sequence[PolicyMicroBatch],
+    *,
+    forward: Forward,
+    logprobs_of: LogprobsOf,
+    loss: PPOClipConfig,
+    temperature: float = 1.0,
+) -> StepResult:
+    """One optimizer step on this rank's micro-batches of the global batch."""
+    for chunk in chunks:
+        chunk.train()
+    optimizer.zero_grad()
+    sums = forward_backward(chunks, microbatches, forward=forward, logprobs_of=logprobs_of,
+                            loss=loss, temperature=temperature)  # fmt: skip
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError("train_step: the optimizer skipped the step (non-finite gradients)")
+    n = float(sums["num_tokens"])
+    means = {k: float(v) / max(n, 1.0) for k, v in sums.items() if k != "num_tokens"}
+    return StepResult(loss=means.pop("loss"), grad_norm=float(grad_norm), num_tokens=int(n),
+                      metrics=means)  # fmt: skip

@@ -1,0 +1,223 @@
+"""PPO-clip training on the patched megatron-core (onpolicy.train.step), on CPU/gloo.
+
+- Gradient: the finalized gradient of the PPO loss through Megatron (DDP buffers, after the
+  DP/SP reductions and the global token-mean division) equals HF transformers' autograd
+  gradient of the same loss on the same checkpoint and batch, in fp32, within GRAD_RTOL of
+  each tensor's largest entry, at world 1, TP2+SP and EP2. The same comparison must fail for a
+  wrong gradient: advantages negated, or one HF weight perturbed.
+- Step: DDP + the distributed optimizer at DP2 take two steps; the weights move from the
+  checkpoint, the loss changes, and the two DP replicas hold the same bits.
+- Determinism: the same seeded two-step training in two separate torchrun launches gives
+  bit-identical parameters on every rank, in fp32 and bf16; another seed's batch (the control)
+  gives different bits.
+
+Each layout is one torchrun launch of workers/megatron_train.py; a launch does several runs.
+"""
+
+from __future__ import annotations
+
+from math import inf
+from pathlib import Path
+
+import pytest
+import torch
+from onpolicy.bits import bitwise_equal, mismatch_report, n_differ
+from onpolicy.checkpoint.hf_megatron import hf_to_megatron
+from onpolicy.layout import ParallelLayout
+from onpolicy.models.hf_layout import load_hf_state_dict
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.loss import PPOClipConfig, ppo_clip_loss
+
+WORKER = Path(__file__).parent / "workers" / "megatron_train.py"
+GRAD_RTOL = 1e-4
+"""Per tensor: max |grad - HF grad| <= GRAD_RTOL * max |HF grad|. Measured in fp32 on the tiny
+model: at most 2.4e-6 (different kernels and summation orders, same math); a sign flip of the
+advantages gives 2, a 1e-3 relative change of one norm weight well above 1e-4."""
+
+GRAD_LAYOUTS = {
+    "world1": (1, {"tp": 1, "ep": 1, "sp": False}, []),
+    "tp2-sp": (2, {"tp": 2, "ep": 1, "sp": True}, ["--tp", "2", "--sp"]),
+    "ep2": (2, {"tp": 1, "ep": 2, "sp": False}, ["--ep", "2"]),
+}
+
+
+def load_records(out: Path) -> list[dict]:
+    return [torch.load(f) for f in sorted(out.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))]
+
+
+def hf_checkpoint_grads(model, cfg: Qwen3MoeConfig) -> dict[str, torch.Tensor]:
+    """HF grads under the checkpoint's tensor names (transformers fuses each layer's experts
+    into gate_up_proj [E, 2F, H] and down_proj [E, H, F]; the checkpoint has one per expert)."""
+    f = cfg.moe_intermediate_size
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(g.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = g[e, :f]
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = g[e, f:]
+        elif name.endswith("experts.down_proj"):
+            for e in range(g.shape[0]):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = g[e]
+        else:
+            out[name] = g
+    return out
+
+
+def hf_grads(model, cfg: Qwen3MoeConfig, loss_cfg: PPOClipConfig, microbatches: list[dict],
+             sign: float = 1.0):  # fmt: skip
+    """The global batch's token-mean PPO loss through HF autograd; (loss, grads by HF name)."""
+    model.zero_grad(set_to_none=True)
+    total, n = 0.0, 0
+    for mb in microbatches:
+        logits = model(mb["tokens"][None]).logits[0]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, mb["targets"][:, None])[:, 0]
+        adv = sign * mb["advantages"]
+        out = ppo_clip_loss(lp, mb["old_logprobs"], adv, mb["loss_mask"], loss_cfg)
+        total, n = total + out.loss_sum, n + int(out.num_tokens)
+    loss = total / n
+    loss.backward()
+    return loss.item(), hf_checkpoint_grads(model, cfg)
+
+
+def grad_errors(records: list[dict], layout: ParallelLayout, cfg, grads) -> dict[str, float]:
+    """Per Megatron tensor and rank: max |grad - HF grad| / max |HF grad| (a tensor whose HF
+    gradient is zero, an expert no token reached, must be exactly zero: 0 or inf)."""
+    errs = {}
+    for rank, rec in enumerate(records):
+        expected = hf_to_megatron(cfg, grads, layout, rank, torch.float32)
+        assert set(rec["grads"]) == set(expected), (rank, set(rec["grads"]) ^ set(expected))
+        for name, g in rec["grads"].items():
+            e = expected[name]
+            scale = e.abs().max().item()
+            err = (g - e).abs().max().item()
+            errs[f"rank{rank}:{name}"] = err / scale if scale else (0.0 if err == 0 else inf)
+    return errs
+
+
+def grads_nonzero(records: list[dict], key: str) -> bool:
+    rank, name = key.split(":", 1)
+    return bool(records[int(rank[4:])]["grads"][name].abs().max() > 0)
+
+
+def global_microbatches(records: list[dict]) -> list[dict]:
+    """Every DP rank's micro-batches once (TP ranks of one DP rank hold the same ones)."""
+    by_dp = {}
+    for rec in records:
+        by_dp.setdefault(rec["coords"]["dp"], rec["microbatches"])
+    return [mb for dp in sorted(by_dp) for mb in by_dp[dp]]
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GRAD_LAYOUTS))
+def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_path):
+    nproc, degrees, args = GRAD_LAYOUTS[name]
+    torchrun(WORKER, nproc, "--ckpt", str(tiny_checkpoint), "--out", str(tmp_path),
+             "--mode", "grad", "--runs", "fp32:0", *args)  # fmt: skip
+    records = load_records(tmp_path / "fp32-0")
+    assert len(records) == nproc
+    cfg = Qwen3MoeConfig.from_hf(tiny_checkpoint)
+    layout = ParallelLayout(world=nproc, **degrees)
+    mbs = global_microbatches(records)
+    assert len(mbs) == 4, "the global batch is four sequences"
+    loss_cfg = PPOClipConfig(**records[0]["loss_config"])
+
+    loss, grads = hf_grads(hf_fp32, cfg, loss_cfg, mbs)
+    sums = records[0]["sums"]
+    assert sums["loss"] / sums["num_tokens"] == pytest.approx(loss, rel=1e-5), (sums, loss)
+    assert 0 < sums["clip_frac_low"] and 0 < sums["clip_frac_high"], "both clip bounds active"
+    errs = grad_errors(records, layout, cfg, grads)
+    worst = max(errs, key=errs.get)
+    print(f"{name}: {len(errs)} tensors, worst {worst} at {errs[worst]:.2e} (rtol {GRAD_RTOL})")
+    assert errs[worst] <= GRAD_RTOL, f"{name}: {worst} relative error {errs[worst]:.3e}"
+
+    # Negative controls: the same comparison against a wrong gradient must fail.
+    _, negated = hf_grads(hf_fp32, cfg, loss_cfg, mbs, sign=-1.0)
+    bad = grad_errors(records, layout, cfg, negated)
+    live = [k for k in bad if grads_nonzero(records, k)]
+    assert live and min(bad[k] for k in live) > 1.0, "negated advantages flip every gradient"
+    weight = hf_fp32.get_parameter("model.layers.0.input_layernorm.weight")
+    with torch.no_grad():
+        weight.mul_(1 + 1e-3)
+    try:
+        _, perturbed = hf_grads(hf_fp32, cfg, loss_cfg, mbs)
+    finally:
+        with torch.no_grad():
+            weight.copy_(load_hf_state_dict(tiny_checkpoint)[
+                "model.layers.0.input_layernorm.weight"].float())  # fmt: skip
+    bad = grad_errors(records, layout, cfg, perturbed)
+    assert max(bad.values()) > GRAD_RTOL, "a perturbed weight must fail the comparison"
+
+
+RUNS = ("fp32:0", "bf16:0", "fp32:1", "bf16:1")
+"""Seed 1 is the control: another batch, so other bits."""
+
+
+@pytest.fixture(scope="module")
+def dp2_launches(torchrun, tiny_checkpoint, tmp_path_factory) -> list[Path]:
+    """Two separate launches of the same seeded two-step DP2 training with the distributed
+    optimizer; the second repeats the seed-0 runs only."""
+    outs = []
+    for i, runs in enumerate((RUNS, RUNS[:2])):
+        out = tmp_path_factory.mktemp(f"dp2-{i}")
+        torchrun(WORKER, 2, "--ckpt", str(tiny_checkpoint), "--out", str(out), "--mode", "train",
+                 "--distopt", "--steps", "2", "--runs", *runs)  # fmt: skip
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_dp2_distributed_optimizer_steps(dtype, dp2_launches, tiny_checkpoint):
+    records = load_records(dp2_launches[0] / f"{dtype}-0")
+    assert [r["coords"]["dp"] for r in records] == [0, 1]
+    steps = records[0]["steps"]
+    assert steps == records[1]["steps"], "every rank reports the same step results"
+    tokens = sum(int(mb["loss_mask"].sum()) for mb in global_microbatches(records))
+    assert all(s["num_tokens"] == tokens for s in steps), (tokens, steps)
+    assert steps[1]["loss"] < steps[0]["loss"], f"the PPO loss did not fall: {steps}"
+    assert all(0 < s["grad_norm"] < float("inf") for s in steps), steps
+
+    cfg = Qwen3MoeConfig.from_hf(tiny_checkpoint)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    start = hf_to_megatron(cfg, load_hf_state_dict(tiny_checkpoint), ParallelLayout(world=2), 0,
+                           torch_dtype)  # fmt: skip
+    params = records[0]["params"]
+    assert all(p.dtype == torch_dtype for p in params.values())
+    moved = {k: n_differ(params[k], start[k]) for k in params}
+    frozen = [k for k, n in moved.items() if n == 0 and "local_experts" not in k]
+    if dtype == "bf16":
+        # Adam moves an element by about lr (1e-3) a step. The fp32 main params all move, but
+        # the bf16 copy of a norm weight near 1 changes only past half an ulp (2^-8 or 2^-9);
+        # the matrices (|w| ~ 0.1, half an ulp ~ 2^-12) must move.
+        frozen = [k for k in frozen if params[k].dim() > 1]
+    assert not frozen, f"{dtype}: tensors the step did not change: {frozen}"
+    assert sum(n > 0 for n in moved.values()) > len(moved) // 2, moved
+    for k in params:
+        assert bitwise_equal(params[k], records[1]["params"][k]), (
+            f"{dtype}: DP replicas differ after the step at {k}: "
+            f"{mismatch_report(params[k], records[1]['params'][k])}"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_seeded_training_is_bitwise_reproducible(dtype, dp2_launches):
+    first, second = (load_records(out / f"{dtype}-0") for out in dp2_launches)
+    other_seed = load_records(dp2_launches[0] / f"{dtype}-1")
+    for rank, (a, b, c) in enumerate(zip(first, second, other_seed, strict=True)):
+        assert a["steps"] == b["steps"], (rank, a["steps"], b["steps"])
+        for k, p in a["params"].items():
+            assert bitwise_equal(p, b["params"][k]), (
+                f"{dtype} rank {rank} {k}: {mismatch_report(p, b['params'][k])}"
+            )
+        # Control: the comparison sees a different batch's training.
+        differ = sum(n_differ(p, c["params"][k]) for k, p in a["params"].items())
+        assert differ > 0, f"{dtype} rank {rank}: seed 1 gave seed 0's bits"
