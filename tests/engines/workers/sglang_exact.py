@@ -1,9 +1,9 @@
 """One exact SGLang Engine (rl_on_policy_target="onpolicy") on CPU: every request of a plan,
 answered and written as JSON.
 
-The plan (JSON) names the engine arguments and a list of generate calls; each call is a
-batch of requests (token ids, temperature, seed, max_new_tokens). The worker answers them in
-order, one `generate` per batch, and records tokens and the float32 bits of every sampled
+The plan (JSON) lists engine runs (arguments and generate calls, started one after the other in
+this process); each call is a batch of requests (token ids, temperature, seed, new tokens),
+answered by one `generate`; the worker records tokens and the float32 bits of every sampled
 log-prob. `--refuse` instead starts engines that must be refused and records the errors.
 """
 
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import struct
+import time
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
@@ -20,31 +21,6 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 def f32_bits(x: float) -> int:
     """The float32 bit pattern of a log-prob SGLang returned (a widened float32)."""
     return struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-def run_batches(engine, batches: list[dict]) -> list[list[dict]]:
-    results = []
-    for batch in batches:
-        params = [
-            {"temperature": r["temperature"], "max_new_tokens": r["new_tokens"],
-             "sampling_seed": r["seed"], "ignore_eos": True}
-            for r in batch["requests"]
-        ]  # fmt: skip
-        outs = engine.generate(input_ids=[r["prompt"] for r in batch["requests"]],
-                               sampling_params=params, return_logprob=True)  # fmt: skip
-        if batch.get("flush"):
-            engine.flush_cache()
-        answers = []
-        for o in outs:
-            lps = o["meta_info"]["output_token_logprobs"]
-            answers.append({
-                "output_ids": o["output_ids"],
-                "logprob_bits": [f32_bits(lp) for lp, _t, _x in lps],
-                "logprob_tokens": [t for _lp, t, _x in lps],
-                "cached_tokens": o["meta_info"].get("cached_tokens", 0),
-            })  # fmt: skip
-        results.append(answers)
-    return results
 
 
 def refusals(ckpt: str, cases: dict[str, dict]) -> dict[str, str]:
@@ -64,25 +40,66 @@ def refusals(ckpt: str, cases: dict[str, dict]) -> dict[str, str]:
     return errors
 
 
+def resolve_prompt(req: dict, done: list[list[dict]], plan_batches: list[dict]) -> list[int]:
+    """A request's prompt; `extend_of` [batch, request, n] continues an earlier request with
+    its first n sampled tokens (so the radix cache holds decode-produced keys for it)."""
+    if "extend_of" not in req:
+        return req["prompt"]
+    b, i, n = req["extend_of"]
+    earlier = plan_batches[b]["requests"][i]
+    return (
+        resolve_prompt(earlier, done, plan_batches) + done[b][i]["output_ids"][:n] + req["prompt"]
+    )
+
+
+def run_batches(engine, batches: list[dict]) -> list[list[dict]]:
+    results: list[list[dict]] = []
+    for batch in batches:
+        prompts = [resolve_prompt(r, results, batches) for r in batch["requests"]]
+        params = [
+            {"temperature": r["temperature"], "max_new_tokens": r["new_tokens"],
+             "sampling_seed": r["seed"], "ignore_eos": True}
+            for r in batch["requests"]
+        ]  # fmt: skip
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        answers = []
+        for prompt, o in zip(prompts, outs, strict=True):
+            lps = o["meta_info"]["output_token_logprobs"]
+            answers.append({
+                "prompt": prompt,
+                "output_ids": o["output_ids"],
+                "logprob_bits": [f32_bits(lp) for lp, _t, _x in lps],
+                "logprob_tokens": [t for _lp, t, _x in lps],
+                "cached_tokens": o["meta_info"].get("cached_tokens", 0),
+            })  # fmt: skip
+        results.append(answers)
+    return results
+
+
+def run(ckpt: str, spec: dict) -> dict:
+    """One engine: start it, answer its batches, shut it down."""
+    import sglang as sgl
+    from onpolicy.rollout import exact_engine_args
+
+    args = exact_engine_args(ckpt, **spec["engine"])
+    if spec.get("stock"):  # the negative control: the same engine on SGLang's own ops
+        del args["rl_on_policy_target"]
+        args["attention_backend"] = "torch_native"
+    t0 = time.monotonic()
+    engine = sgl.Engine(**args)
+    try:
+        batches = run_batches(engine, spec["batches"])
+    finally:
+        engine.shutdown()
+    return {"batches": batches, "seconds": time.monotonic() - t0, "sglang": sgl.__file__}
+
+
 def main(args: argparse.Namespace) -> None:
     plan = json.loads(open(args.plan).read())
-    if plan.get("refuse"):
+    if "refuse" in plan:
         result = {"refusals": refusals(plan["ckpt"], plan["refuse"])}
     else:
-        import sglang as sgl
-        from onpolicy.rollout import exact_engine_args
-
-        engine_args = exact_engine_args(plan["ckpt"], **plan["engine"])
-        if plan.get("stock"):  # the negative control: the same engine on SGLang's own ops
-            for k in ("rl_on_policy_target",):
-                engine_args.pop(k)
-            engine_args["attention_backend"] = "torch_native"
-        engine = sgl.Engine(**engine_args)
-        try:
-            result = {"batches": run_batches(engine, plan["batches"]),
-                      "sglang": sgl.__file__}  # fmt: skip
-        finally:
-            engine.shutdown()
+        result = {"runs": {spec["name"]: run(plan["ckpt"], spec) for spec in plan["runs"]}}
     with open(args.out, "w") as f:
         json.dump(result, f)
 

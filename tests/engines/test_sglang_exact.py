@@ -1,0 +1,316 @@
+"""The exact SGLang path on a real Engine: sampled log-probs equal the reference model's score.
+
+Each layout (TP1, TP2, TP2 EP2) gets one worker process (workers/sglang_exact.py) that starts
+real `sglang.Engine(device="cpu", rl_on_policy_target="onpolicy")` engines one after the other
+on the tiny checkpoint, in bf16 (the contract dtype) and fp32, and answers the same plan of
+requests on each. Every check below reads those results; bits are compared as integer views.
+
+Launches are the cost (tens of seconds each on 2 cores), so they are shared:
+- a main engine per (layout, dtype): chunked prefill off, radix cache off. Its plan holds every
+  request alone, then all of them co-batched (other lengths, both temperatures);
+- the chunk sweep (sizes 1, 7, 64) runs at TP1 in both dtypes, and one size (7) at TP2 bf16:
+  the chunk boundaries move only the attention's query rows, whose arithmetic is the same at
+  every TP, while TP changes only the sums the TP1 == TP2 check covers. The size-64 engine (and
+  the TP2 one) also has the radix cache on, with requests that share a prompt prefix or
+  continue an earlier request's generated tokens (the cache then holds decode-made keys);
+- the negative control: the stock engine (torch_native attention, SGLang's own ops), TP1 bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from onpolicy.bits import mismatch_report, n_differ
+
+WORKER = Path(__file__).parent / "workers" / "sglang_exact.py"
+REPO = Path(__file__).resolve().parents[2]
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2-ep2": (2, 2)}
+DTYPES = ("bfloat16", "float32")
+NEW = 10
+"""Tokens sampled per request."""
+
+
+def _req(prompt, temperature, seed, **extra) -> dict:
+    return {"prompt": prompt, "temperature": temperature, "seed": seed, "new_tokens": NEW,
+            **extra}  # fmt: skip
+
+
+PREFIX = [(7 * i + 3) % 997 for i in range(30)]
+"""A prompt prefix three requests share (the radix cache's hit)."""
+LONG = [(13 * i + 5) % 991 for i in range(90)]
+"""Longer than the largest chunk size, so every chunk size cuts it."""
+REQUESTS = [
+    _req([1, 2, 3, 4, 5], 1.0, 11),
+    _req([10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], 0.7, 12),
+    _req(LONG, 1.0, 13),
+    _req(PREFIX + [400, 401, 402], 0.7, 14),
+    _req([900, 901, 902], 1.0, 15),
+]
+ALONE = [{"requests": [r]} for r in REQUESTS]
+COBATCH = {"requests": REQUESTS}
+SHARED = {
+    "requests": [
+        _req(PREFIX + [500, 501], 1.0, 16),
+        _req(PREFIX + [600], 0.7, 17),
+        # request 3 of batch 3 (PREFIX + ...) continued by its first 6 sampled tokens
+        _req([700, 701], 1.0, 18, extend_of=[3, 0, 6]),
+    ]
+}
+BATCHES = [*ALONE, COBATCH, SHARED]
+"""batches 0-4: each request alone; 5: all co-batched; 6: shared prefixes and a continuation."""
+
+
+def _runs(layout: str) -> list[dict]:
+    tp, ep = LAYOUTS[layout]
+
+    def spec(name, dtype, **engine):
+        return {"name": name, "engine": {"tp": tp, "ep": ep, "dtype": dtype,
+                "chunked_prefill_size": -1, "disable_radix_cache": True, **engine},
+                "batches": BATCHES}  # fmt: skip
+
+    runs = [spec(f"main-{d}", d) for d in DTYPES]
+    if layout == "tp1":
+        for d in DTYPES:
+            runs += [spec(f"chunk1-{d}", d, chunked_prefill_size=1),
+                     spec(f"chunk7-{d}", d, chunked_prefill_size=7),
+                     spec(f"chunk64-radix-{d}", d, chunked_prefill_size=64,
+                          disable_radix_cache=False)]  # fmt: skip
+        runs.append({**spec("stock-bfloat16", "bfloat16"), "stock": True})
+    if layout == "tp2":
+        runs.append(spec("chunk7-radix-bfloat16", "bfloat16", chunked_prefill_size=7,
+                         disable_radix_cache=False))  # fmt: skip
+    return runs
+
+
+def _env(tp: int, tmp: Path) -> dict[str, str]:
+    from onpolicy.rollout import engine_env
+
+    overlay = [str(REPO / "build" / "upstream" / "sglang")] if _overlay() else []
+    path = [*overlay, str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, **engine_env(tp, tmp), "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _overlay() -> bool:
+    """Use the patched git tree when the caller put it on PYTHONPATH (patch development)."""
+    return "build/upstream/sglang" in os.environ.get("PYTHONPATH", "")
+
+
+def _run_worker(plan: dict, tp: int, tmp: Path, timeout: float = 1500) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    out = tmp / "result.json"
+    cmd = [sys.executable, str(WORKER), "--plan", str(tmp / "plan.json"), "--out", str(out)]
+    p = subprocess.run(cmd, env=_env(tp, tmp), capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        pytest.fail(f"exact SGLang worker (tp={tp}) exited {p.returncode}\n{p.stderr[-8000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tiny_checkpoint, tmp_path_factory):
+    """layout -> run name -> results; each layout's worker runs once, when first asked for."""
+
+    @functools.cache
+    def get(layout: str) -> dict:
+        plan = {"ckpt": str(tiny_checkpoint), "runs": _runs(layout)}
+        tmp = tmp_path_factory.mktemp(f"sglang-exact-{layout}")
+        res = _run_worker(plan, LAYOUTS[layout][0], tmp)["runs"]
+        for name, r in res.items():
+            print(f"[{layout} {name}] engine start + plan: {r['seconds']:.1f} s ({r['sglang']})")
+        return res
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """dtype -> the reference model on the tiny checkpoint."""
+    from onpolicy.models.reference import Qwen3MoeReference
+
+    @functools.cache
+    def get(dtype: str):
+        return Qwen3MoeReference.from_pretrained(tiny_checkpoint, getattr(torch, dtype))
+
+    return get
+
+
+def _bits(answer: dict) -> torch.Tensor:
+    return torch.tensor(answer["logprob_bits"], dtype=torch.int64).to(torch.int32)
+
+
+def _f32(answer: dict) -> torch.Tensor:
+    return _bits(answer).view(torch.float32)
+
+
+def _answers(run: dict) -> list[tuple[dict, dict]]:
+    """(request, answer) of every request of the run's plan, in plan order."""
+    return [(req, ans) for batch, answers in zip(BATCHES, run["batches"], strict=True)
+            for req, ans in zip(batch["requests"], answers, strict=True)]  # fmt: skip
+
+
+def _score_mismatches(run: dict, model) -> tuple[int, int, list[str]]:
+    """(differing, compared) sampled log-probs of the run against model.score, with reports."""
+    bad, total, reports = 0, 0, []
+    for req, ans in _answers(run):
+        prompt = ans["prompt"]
+        assert len(ans["output_ids"]) == NEW and ans["logprob_tokens"] == ans["output_ids"]
+        want = model.score([prompt + ans["output_ids"]], req["temperature"])[0][len(prompt) - 1 :]
+        got = _f32(ans)
+        d = n_differ(got, want)
+        bad, total = bad + d, total + len(want)
+        if d:
+            reports.append(f"T={req['temperature']} prompt len {len(prompt)}: "
+                           + mismatch_report(got, want))  # fmt: skip
+    return bad, total, reports
+
+
+CASES = [pytest.param(lay, d, id=f"{lay}-{d}") for lay in LAYOUTS for d in DTYPES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, dtype", CASES)
+def test_sampled_logprobs_equal_reference_score(engine_runs, reference, layout, dtype):
+    run = engine_runs(layout)[f"main-{dtype}"]
+    bad, total, reports = _score_mismatches(run, reference(dtype))
+    temps = {req["temperature"] for req, _ in _answers(run)}
+    print(f"[{layout} {dtype}] decode == score: {total - bad}/{total} tokens equal, T in {temps}")
+    assert temps == {1.0, 0.7}
+    assert bad == 0, f"{layout} {dtype}: {bad}/{total} log-probs differ\n" + "\n".join(reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, dtype", CASES)
+def test_seeded_tokens_equal_reference_generation(engine_runs, reference, layout, dtype):
+    from onpolicy.models.reference import PagedKVCache, Request
+
+    model = reference(dtype)
+    equal = total = 0
+    for req, ans in _answers(engine_runs(layout)[f"main-{dtype}"])[: len(REQUESTS)]:
+        r = Request(rid=0, prompt=ans["prompt"], temperature=req["temperature"], seed=req["seed"])
+        cache = PagedKVCache(model.cfg, model.dtype, page_size=16, num_pages=16)
+        model.prefill([r], cache)
+        for _ in range(NEW - 1):
+            model.decode([r], cache)
+        equal += sum(a == b for a, b in zip(r.output, ans["output_ids"], strict=True))
+        total += NEW
+        assert r.output == ans["output_ids"], f"seed {req['seed']}: {ans['output_ids']}"
+    print(f"[{layout} {dtype}] seeded tokens == reference.sample: {equal}/{total}")
+
+
+def _compare(a: dict, b: dict) -> tuple[int, int, int, int]:
+    """(tokens equal, tokens compared, log-prob bits equal, compared) of two answers."""
+    n = len(a["output_ids"])
+    tok = sum(x == y for x, y in zip(a["output_ids"], b["output_ids"], strict=True))
+    return tok, n, n - n_differ(_bits(a), _bits(b)), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, dtype", CASES)
+def test_batch_invariance(engine_runs, layout, dtype):
+    batches = engine_runs(layout)[f"main-{dtype}"]["batches"]
+    alone, together = [b[0] for b in batches[: len(REQUESTS)]], batches[len(REQUESTS)]
+    assert len({len(r["prompt"]) for r in REQUESTS}) == len(REQUESTS)  # other lengths
+    counts = [_compare(a, b) for a, b in zip(alone, together, strict=True)]
+    tok, n_tok, lp, n_lp = (sum(c[i] for c in counts) for i in range(4))
+    print(f"[{layout} {dtype}] alone vs co-batched: tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
+    assert (tok, lp) == (n_tok, n_lp), f"{layout} {dtype}: per request {counts}"
+
+
+SWEEPS = [pytest.param("tp1", f"{name}-{d}", d, id=f"tp1-{name}-{d}") for d in DTYPES
+          for name in ("chunk1", "chunk7", "chunk64-radix")] + [
+    pytest.param("tp2", "chunk7-radix-bfloat16", "bfloat16", id="tp2-chunk7-radix-bfloat16")
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, name, dtype", SWEEPS)
+def test_chunked_prefill_and_radix_cache_give_the_same_bits(engine_runs, layout, name, dtype):
+    """Every request of the plan equals the main engine's (chunking off, radix cache off)."""
+    runs = engine_runs(layout)
+    swept, main = runs[name], runs[f"main-{dtype}"]
+    counts = [_compare(a, b) for (_, a), (_, b) in zip(_answers(swept), _answers(main),
+                                                        strict=True)]  # fmt: skip
+    tok, n_tok, lp, n_lp = (sum(c[i] for c in counts) for i in range(4))
+    cached = [a["cached_tokens"] for a in swept["batches"][-1]]
+    print(f"[{layout} {name}] vs main: tokens {tok}/{n_tok}, bits {lp}/{n_lp}, "
+          f"cached prompt tokens of the shared-prefix batch {cached}")  # fmt: skip
+    if "radix" in name:  # the check can fail only if the cache really served these prompts
+        assert all(c >= len(PREFIX) for c in cached), f"radix cache not hit: {cached}"
+    assert (tok, lp) == (n_tok, n_lp), f"{layout} {name}: per request {counts}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["tp2", "tp2-ep2"])
+def test_tp1_equals_tp2(engine_runs, tiny_checkpoint, layout, dtype):
+    from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+    from onpolicy.rollout import check_tp
+
+    cfg = Qwen3MoeConfig.from_hf(tiny_checkpoint)
+    tp, ep = LAYOUTS[layout]
+    # Where the contract allows it: check_tp raises for a TP whose sums are not exact.
+    check_tp(tp, ep, cfg.num_attention_heads, cfg.head_dim, cfg.moe_intermediate_size)
+    a = _answers(engine_runs("tp1")[f"main-{dtype}"])
+    b = _answers(engine_runs(layout)[f"main-{dtype}"])
+    counts = [_compare(x, y) for (_, x), (_, y) in zip(a, b, strict=True)]
+    tok, n_tok, lp, n_lp = (sum(c[i] for c in counts) for i in range(4))
+    print(f"[tp1 vs {layout} {dtype}] tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
+    assert (tok, lp) == (n_tok, n_lp), f"tp1 vs {layout} {dtype}: per request {counts}"
+
+
+@pytest.mark.slow
+def test_stock_path_breaks_decode_equals_score(engine_runs, reference):
+    """The same plan and the same comparison on SGLang's own ops must fail it."""
+    bad, total, _ = _score_mismatches(engine_runs("tp1")["stock-bfloat16"], reference("bfloat16"))
+    print(f"[tp1 bfloat16 stock] decode == score: {total - bad}/{total} tokens equal")
+    assert bad > 0, f"the stock path matched the reference on all {total} log-probs"
+
+
+# --- refusals -----------------------------------------------------------------------------------
+REFUSALS = {
+    "torch_native": ({"attention_backend": "torch_native"}, "rollout_attention_backend"),
+    "decode_backend": ({"decode_attention_backend": "torch_native"}, "rollout_attention_backend"),
+    "speculative": ({"speculative_algorithm": "NGRAM"}, "rollout_no_speculative_decoding"),
+    "cuda_graphs": ({"disable_cuda_graph": False}, "rollout_no_cuda_graphs"),
+    "dtype_auto": ({"dtype": "auto"}, "dtype"),
+}
+"""case -> (engine arguments over the exact ones, the rule the refusal must name)."""
+
+
+@pytest.mark.slow
+def test_engine_refuses_settings_off_the_exact_path(tiny_checkpoint, tmp_path):
+    from onpolicy.models import write_tiny_checkpoint
+    from onpolicy.models.tiny import tiny
+
+    # moe_intermediate_size 48 at MoE TP 2: shards of 24, not an aligned subtree of the tree.
+    odd = write_tiny_checkpoint(tmp_path / "odd", tiny(moe_intermediate_size=48), seed=0)
+    cases = {name: args for name, (args, _) in REFUSALS.items()}
+    plan = {"ckpt": str(tiny_checkpoint), "refuse": cases}
+    got = _run_worker(plan, 1, tmp_path / "w1")["refusals"]
+    got |= _run_worker({"ckpt": str(odd), "refuse": {"inexact_tp": {"tp": 2}}}, 2,
+                       tmp_path / "w2")["refusals"]  # fmt: skip
+    rules = {name: rule for name, (_, rule) in REFUSALS.items()} | {
+        "inexact_tp": "rollout_tp_tree_exact"
+    }
+    for name, rule in rules.items():
+        print(f"[refuse {name}] {got[name].splitlines()[0]}")
+        assert f"[{rule}]" in got[name], f"{name}: expected a [{rule}] refusal, got {got[name]}"
+
+
+def test_check_tp_names_the_inexact_cut():
+    """Qwen3-30B-A3B's expert K = 768 at MoE TP 2 is 3 blocks a shard: refused; TP EP 2 is not."""
+    from onpolicy.contract import ContractError
+    from onpolicy.rollout import check_tp
+
+    check_tp(2, 2, 32, 128, 768)  # MoE TP 1: experts whole
+    with pytest.raises(ContractError, match=r"rollout_tp_tree_exact.*768 into shards of 384"):
+        check_tp(2, 1, 32, 128, 768)
+    with pytest.raises(ContractError, match="power_of_2_groups"):
+        check_tp(3, 1, 32, 128, 768)
