@@ -62,10 +62,16 @@ class Pair:
     """The sampling engine's layout."""
     training: ParallelLayout
     """The scoring trainer's layout."""
+    training_stock: bool = False
+    """Score with Megatron's local spec instead of the exact one: the negative control."""
+
+    @property
+    def training_name(self) -> str:
+        return training_name(self.training) + ("-stock" if self.training_stock else "")
 
     @property
     def name(self) -> str:
-        return f"{self.rollout.name}:{training_name(self.training)}"
+        return f"{self.rollout.name}:{self.training_name}"
 
 
 def training_name(t: ParallelLayout) -> str:
@@ -81,8 +87,9 @@ _TOKEN = re.compile(r"^(world|tp|pp|ep|etp)(\d+)$|^(sp|stock)$")
 def parse_pair(spec: str) -> Pair:
     """`ROLLOUT:TRAINING`, e.g. `tp2-ep2:world8-tp2-pp2-ep2-sp` or `tp1:tp2-sp`.
 
-    Rollout tokens: tp<N>, ep<N>, and `stock` (SGLang's stock path). Training tokens: world<N>
-    (default tp x pp), tp<N>, pp<N>, ep<N>, etp<N>, sp. Unnamed degrees are 1.
+    Rollout tokens: tp<N>, ep<N>. Training tokens: world<N> (default tp x pp), tp<N>, pp<N>,
+    ep<N>, etp<N>, sp. Unnamed degrees are 1. `stock` on either side runs that engine's stock
+    path instead of the exact one (a negative control: the pair must differ).
     """
     rollout, sep, training = spec.partition(":")
     if not sep or not rollout or not training:
@@ -105,11 +112,14 @@ def parse_pair(spec: str) -> Pair:
 
     r = dims("rollout", rollout, {"tp", "ep", "stock"})
     stock = bool(r.pop("stock", 0))
-    t = dims("training", training, {"world", "tp", "pp", "ep", "etp", "sp"})
+    t = dims("training", training, {"world", "tp", "pp", "ep", "etp", "sp", "stock"})
+    training_stock = bool(t.pop("stock", 0))
     world = t.pop("world", t.get("tp", 1) * t.get("pp", 1))
     sp = bool(t.pop("sp", 0))
     return Pair(
-        rollout=RolloutLayout(stock=stock, **r), training=ParallelLayout(world=world, sp=sp, **t)
+        rollout=RolloutLayout(stock=stock, **r),
+        training=ParallelLayout(world=world, sp=sp, **t),
+        training_stock=training_stock,
     )
 
 
@@ -325,23 +335,27 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
 
 
 def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: ParallelLayout,
-                 samples_file: Path, folder: Path) -> dict[int, torch.Tensor]:  # fmt: skip
+                 samples_file: Path, folder: Path,
+                 stock: bool = False) -> dict[int, torch.Tensor]:  # fmt: skip
     """Megatron's log-probs of every sample at `layout`, by sample index."""
     folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("scores-rank*.pt"):
-        old.unlink()
+    (folder / "scores.pt").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={layout.world}",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
            "-m", "onpolicy.parity_worker", "--ckpt", str(ckpt), "--samples", str(samples_file),
            "--out", str(folder), "--dtype", cfg.model.dtype, "--temperature", str(run.temperature),
            "--tp", str(layout.tp), "--pp", str(layout.pp), "--ep", str(layout.ep),
-           "--etp", str(layout.etp)] + (["--sp"] if layout.sp else [])  # fmt: skip
+           "--etp", str(layout.etp)]  # fmt: skip
+    cmd += (["--sp"] if layout.sp else []) + (["--stock"] if stock else [])
     env = _env(resolve_plan(cfg).training_env)
-    _run(f"trainer {training_name(layout)}", cmd, env, folder / "trainer.log", run.timeout)
-    scores: dict[int, torch.Tensor] = {}
-    for f in sorted(folder.glob("scores-rank*.pt")):
-        scores.update(torch.load(f))
-    return scores
+    _run(
+        f"trainer {training_name(layout)}{'-stock' if stock else ''}",
+        cmd,
+        env,
+        folder / "trainer.log",
+        run.timeout,
+    )
+    return torch.load(folder / "scores.pt")
 
 
 def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
@@ -362,8 +376,9 @@ def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
                 f"tokens, T={run.temperature}) ...")  # fmt: skip
             rollouts[p.rollout] = (folder, rollout(run, cfg, ckpt, p.rollout, prompts, folder))
         folder, samples = rollouts[p.rollout]
-        log(f"parity: trainer {training_name(p.training)} scores rollout {p.rollout.name} ...")
-        out = workdir / f"train-{training_name(p.training)}-{p.rollout.name}"
-        scores = train_scores(run, cfg, ckpt, p.training, folder / "samples.json", out)
+        log(f"parity: trainer {p.training_name} scores rollout {p.rollout.name} ...")
+        out = workdir / f"train-{p.training_name}-{p.rollout.name}"
+        scores = train_scores(run, cfg, ckpt, p.training, folder / "samples.json", out,
+                              p.training_stock)  # fmt: skip
         results.append(compare(samples, scores, p.name))
     return results

@@ -30,27 +30,22 @@ class RolloutRequest:
 
 
 def engine_env(tp: int, cache_dir: str | os.PathLike, base: dict[str, str] | None = None) -> dict:
-    """The environment of an engine process on CPU: the CPU engine switch, one OpenMP core set
-    per TP rank (SGLang asserts ranks <= NUMA nodes without it), caches under the run folder."""
-    cores = os.cpu_count() or 1
-    return {
-        **(base if base is not None else os.environ),
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(tp)),
-        "SGLANG_CACHE_DIR": str(Path(cache_dir) / "sglang-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor-cache"),
-    }
+    """`base` (default: this process's environment) plus what an engine process needs before
+    `import sglang` (`onpolicy.rollout.engine_env`)."""
+    from onpolicy.rollout import engine_env as rollout_env
+
+    return {**(base if base is not None else os.environ), **rollout_env(tp, cache_dir)}
 
 
 def engine_kwargs(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True) -> dict:
     """`sglang.Engine(**kwargs)` for one CPU engine; `exact` routes every op to onpolicy.kernels,
-    otherwise SGLang's stock torch_native path runs (the negative control)."""
-    kwargs: dict[str, object] = dict(
-        model_path=ckpt, device="cpu", dtype=dtype, tp_size=tp, ep_size=ep,
-        attention_backend="torch_native", disable_cuda_graph=True, disable_radix_cache=True,
-        chunked_prefill_size=-1, mem_fraction_static=0.05, max_total_tokens=4096,
-        random_seed=1234, log_level="error", skip_tokenizer_init=True,
-    )  # fmt: skip
+    otherwise the same engine runs SGLang's stock CPU path (torch_native; the negative control)."""
+    from onpolicy.rollout import exact_engine_args
+
+    kwargs = exact_engine_args(ckpt, tp=tp, ep=ep, dtype=dtype)
+    if not exact:
+        del kwargs["rl_on_policy_target"]
+        kwargs["attention_backend"] = "torch_native"
     return kwargs
 
 
@@ -101,7 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         samples = sample(engine, req)
     finally:
         engine.shutdown()
-    Path(args.out).write_text(json.dumps({"request": asdict(req), "samples": samples}))
+    import sglang
+
+    result = {"request": asdict(req), "samples": samples, "sglang": sglang.__file__}
+    Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

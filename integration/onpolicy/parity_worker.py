@@ -1,10 +1,12 @@
 """The trainer side of `onpolicy parity`: Megatron scores the rollout's sequences (torchrun).
 
 `python -m torch.distributed.run --nproc-per-node=W -m onpolicy.parity_worker --ckpt DIR
---samples FILE --out DIR --tp .. --pp .. --ep .. --etp .. [--sp]`. Every rank builds its shard of
-the model at that layout from the HF checkpoint; DP rank d scores the samples i with
-i % DP == d, so each DP rank sees another batch; the last pipeline stage's TP rank 0 writes
-`scores-rank{g}.pt`: {sample index: fp32 log-probs of tokens 1..len-1}.
+--samples FILE --out DIR --tp .. --pp .. --ep .. --etp .. [--sp] [--stock]`. Every rank builds
+its shard of the model at that layout from the HF checkpoint and scores prompt + completion of
+every sample: the exact spec through `onpolicy.train.logprobs.logprobs` (packed THD
+micro-batches, each DP replica its share), or with `--stock` Megatron's local spec (one
+sequence per micro-batch, log_softmax of the gathered logits; the negative control). Global
+rank 0 writes `scores.pt`: {sample index: fp32 log-probs of tokens 1..len-1}.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def score(args: argparse.Namespace) -> None:
     from onpolicy.layout import ParallelLayout
     from onpolicy.models.hf_layout import load_hf_state_dict
     from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+    from onpolicy.train.logprobs import logprobs
     from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
 
     dist.init_process_group("gloo")
@@ -34,54 +37,62 @@ def score(args: argparse.Namespace) -> None:
     model_parallel_cuda_manual_seed(1234)
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
     dtype = getattr(torch, args.dtype)
-    model = build_gpt_model(cfg, layout, dtype)
+    model = build_gpt_model(cfg, layout, dtype, spec="local" if args.stock else "exact")
     sd = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), layout, dist.get_rank(), dtype)
     model.load_state_dict(sd, strict=True)
     model.eval()
 
     samples = json.loads(Path(args.samples).read_text())["samples"]
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = [i for i in range(len(samples)) if i % dp == dp_rank]
-    seqs = [torch.tensor(samples[i]["prompt"] + samples[i]["output_ids"]) for i in mine]
-    lps = sequence_logprobs(model, seqs, args.temperature, layout)
-    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        out = Path(args.out) / f"scores-rank{dist.get_rank()}.pt"
-        torch.save(dict(zip(mine, lps, strict=True)), out)
+    seqs = [s["prompt"] + s["output_ids"] for s in samples]
+    if args.stock:
+        values = stock_logprobs(model, seqs, args.temperature)
+    else:
+        values = logprobs(model, seqs, args.temperature)
+    if dist.get_rank() == 0:
+        torch.save(dict(enumerate(values)), Path(args.out) / "scores.pt")
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 
-def sequence_logprobs(model, seqs: list[torch.Tensor], temperature: float, layout) -> list:
-    """fp32 log p(token i | tokens < i), i = 1..len-1, per sequence, through forward_only."""
+def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | None:
+    """The local spec's log-probs, one sequence per micro-batch (its attention cannot run THD),
+    DP replica d taking sequences i % DP == d; the list on global rank 0, None elsewhere."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    # Under SP the sequence is split over TP: pad at the end (causal, so no earlier row changes).
-    pad = lambda s: torch.cat([s, s.new_zeros(-len(s) % layout.tp)])  # noqa: E731
-    batches = iter([pad(s)[None] for s in seqs])
+    tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+    mine = [i for i in range(len(seqs)) if i % dp == ps.get_data_parallel_rank()]
+    # Under SP the sequence is split over TP: pad at the end (causal: no earlier row changes).
+    padded = [torch.tensor(seqs[i] + [0] * (-len(seqs[i]) % tp))[None] for i in mine]
 
-    def step(data_iterator, model):
+    def step(data_iterator, chunk):
         tokens = next(data_iterator)
-        pos = torch.arange(tokens.shape[1])[None]
 
-        def logprobs(out, non_loss_data=False):
+        def logp(out, non_loss_data=True):
             logits = gather_from_tensor_model_parallel_region(out)[0].float()
             return torch.log_softmax(logits / temperature, dim=-1)
 
-        return model(tokens, pos, None), logprobs
+        return chunk(tokens, torch.arange(tokens.shape[1])[None], None), logp
 
     with torch.no_grad():
         outs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=batches, model=[model],
-            num_microbatches=len(seqs), seq_length=max(len(pad(s)) for s in seqs),
+            forward_step_func=step, data_iterator=iter(padded), model=[model],
+            num_microbatches=len(mine), seq_length=max(p.shape[1] for p in padded),
             micro_batch_size=1, forward_only=True, collect_non_loss_data=True,
         )  # fmt: skip
-    if not outs:  # not the last pipeline stage
-        return []
-    return [
-        lp[torch.arange(len(s) - 1), s[1:]].contiguous() for lp, s in zip(outs, seqs, strict=True)
-    ]
+    found = {}
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        for i, lp in zip(mine, outs, strict=True):
+            s = torch.tensor(seqs[i])
+            found[i] = lp[torch.arange(len(s) - 1), s[1:]].contiguous()
+    parts = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather_object(found, parts, dst=0)
+    if parts is None:
+        return None
+    merged = {i: v for part in parts for i, v in part.items()}
+    return [merged[i] for i in range(len(seqs))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--etp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--stock", action="store_true", help="Megatron's local spec, not the exact")
     score(ap.parse_args(argv))
 
 

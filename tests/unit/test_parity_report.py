@@ -105,6 +105,9 @@ def test_pair_specs():
     assert parse_pair("tp1:tp2-sp").training.world == 2
     stock = parse_pair("tp1-stock:world1").rollout
     assert stock.stock and stock.name == "tp1-stock" and not parse_pair("tp1:world1").rollout.stock
+    control = parse_pair("tp2-ep2:world1-stock")
+    assert control.training_stock and control.name == "tp2-ep2:world1-stock"
+    assert not control.rollout.stock and not parse_pair("tp1:world1").training_stock
     bad_specs = (
         "tp2",
         "tp2:",
@@ -112,7 +115,7 @@ def test_pair_specs():
         "tp2:tp2-tp2-sp",
         "tp2:world8-xp2",
         "tpx:tp1",
-        "tp1:world1-stock",
+        "tp1:world1-stock-stock",
         "tp1-sp:world1",
     )
     for bad in bad_specs:
