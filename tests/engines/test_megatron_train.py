@@ -64,16 +64,16 @@ def hf_checkpoint_grads(model, cfg: Qwen3MoeConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_grads(model, cfg: Qwen3MoeConfig, loss_cfg: PPOClipConfig, microbatches: list[dict],
-             sign: float = 1.0):  # fmt: skip
+def hf_grads(model, cfg: Qwen3MoeConfig, rec: dict, sign: float = 1.0):
     """The global batch's token-mean PPO loss through HF autograd; (loss, grads by HF name)."""
+    loss_cfg = PPOClipConfig(**rec["loss_config"])
     model.zero_grad(set_to_none=True)
     total, n = 0.0, 0
-    for mb in microbatches:
-        logits = model(mb["tokens"][None]).logits[0]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, mb["targets"][:, None])[:, 0]
-        adv = sign * mb["advantages"]
-        out = ppo_clip_loss(lp, mb["old_logprobs"], adv, mb["loss_mask"], loss_cfg)
+    for seq, old, adv, mask in zip(rec["sequences"], rec["old_logprobs"], rec["advantages"],
+                                   rec["loss_masks"], strict=True):  # fmt: skip
+        logits = model(seq[None]).logits[0, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, seq[1:, None])[:, 0]
+        out = ppo_clip_loss(lp, old, sign * adv, mask, loss_cfg)
         total, n = total + out.loss_sum, n + int(out.num_tokens)
     loss = total / n
     loss.backward()
@@ -100,14 +100,6 @@ def grads_nonzero(records: list[dict], key: str) -> bool:
     return bool(records[int(rank[4:])]["grads"][name].abs().max() > 0)
 
 
-def global_microbatches(records: list[dict]) -> list[dict]:
-    """Every DP rank's micro-batches once (TP ranks of one DP rank hold the same ones)."""
-    by_dp = {}
-    for rec in records:
-        by_dp.setdefault(rec["coords"]["dp"], rec["microbatches"])
-    return [mb for dp in sorted(by_dp) for mb in by_dp[dp]]
-
-
 @pytest.fixture(scope="module")
 def hf_fp32(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
@@ -125,11 +117,10 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
     assert len(records) == nproc
     cfg = Qwen3MoeConfig.from_hf(tiny_checkpoint)
     layout = ParallelLayout(world=nproc, **degrees)
-    mbs = global_microbatches(records)
-    assert len(mbs) == 4, "the global batch is four sequences"
-    loss_cfg = PPOClipConfig(**records[0]["loss_config"])
+    rec = records[0]
+    assert all(r["micro_batches"] == 2 // layout.dp for r in records), "two sequences a batch"
 
-    loss, grads = hf_grads(hf_fp32, cfg, loss_cfg, mbs)
+    loss, grads = hf_grads(hf_fp32, cfg, rec)
     sums = records[0]["sums"]
     assert sums["loss"] / sums["num_tokens"] == pytest.approx(loss, rel=1e-5), (sums, loss)
     assert 0 < sums["clip_frac_low"] and 0 < sums["clip_frac_high"], "both clip bounds active"
@@ -139,7 +130,7 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
     assert errs[worst] <= GRAD_RTOL, f"{name}: {worst} relative error {errs[worst]:.3e}"
 
     # Negative controls: the same comparison against a wrong gradient must fail.
-    _, negated = hf_grads(hf_fp32, cfg, loss_cfg, mbs, sign=-1.0)
+    _, negated = hf_grads(hf_fp32, cfg, rec, sign=-1.0)
     bad = grad_errors(records, layout, cfg, negated)
     live = [k for k in bad if grads_nonzero(records, k)]
     assert live and min(bad[k] for k in live) > 1.0, "negated advantages flip every gradient"
@@ -147,7 +138,7 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
     with torch.no_grad():
         weight.mul_(1 + 1e-3)
     try:
-        _, perturbed = hf_grads(hf_fp32, cfg, loss_cfg, mbs)
+        _, perturbed = hf_grads(hf_fp32, cfg, rec)
     finally:
         with torch.no_grad():
             weight.copy_(load_hf_state_dict(tiny_checkpoint)[
@@ -180,7 +171,7 @@ def test_dp2_distributed_optimizer_steps(dtype, dp2_launches, tiny_checkpoint):
     assert [r["coords"]["dp"] for r in records] == [0, 1]
     steps = records[0]["steps"]
     assert steps == records[1]["steps"], "every rank reports the same step results"
-    tokens = sum(int(mb["loss_mask"].sum()) for mb in global_microbatches(records))
+    tokens = sum(int(m.sum()) for m in records[0]["loss_masks"])
     assert all(s["num_tokens"] == tokens for s in steps), (tokens, steps)
     assert steps[1]["loss"] < steps[0]["loss"], f"the PPO loss did not fall: {steps}"
     assert all(0 < s["grad_norm"] < float("inf") for s in steps), steps

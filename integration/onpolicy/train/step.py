@@ -1,6 +1,11 @@
 """One PPO-clip optimizer step of the policy on megatron-core: DDP + the distributed optimizer,
-Megatron's schedules (`get_forward_backward_func`), the loss on differentiable per-token
-log-probs of the model output.
+Megatron's schedules (`get_forward_backward_func`), the loss on the differentiable exact
+per-token log-probs of the model output (`logprobs.token_logprobs`).
+
+The global batch is given per sequence, the same on every rank, in the form `logprobs.logprobs`
+returns (values for tokens 1..len-1). `policy_micro_batches` deals it out exactly as
+`logprobs.logprobs` does: contiguous shares over DP, packed THD micro-batches of at most
+`micro_batch_tokens` tokens, padded to a multiple of TP, as many on every replica.
 
 Normalisation: every micro-batch's loss_func hands Megatron the masked *sum* of per-token
 losses and its token count, with `calculate_per_token_loss` on. The schedule then neither
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from onpolicy.train.logprobs import PackedBatch, token_logprobs
 from onpolicy.train.loss import PPOClipConfig, ppo_clip_loss
 
 
@@ -49,16 +55,16 @@ class OptimizerSettings:
 @dataclass(kw_only=True, slots=True)
 class PolicyMicroBatch:
     """One micro-batch of the policy update: model inputs and the per-token PPO inputs, each
-    per-token tensor [T] in the order of the log-probs that `logprobs_of` returns."""
+    per-token tensor [T] aligned with the log-probs that `logprobs_of` returns."""
 
     inputs: Any
-    """What `forward` feeds the model (tokens, positions, packing)."""
+    """What `forward` feeds the model: a `PackedBatch` for the exact model."""
     old_logprobs: torch.Tensor
     """Log-probs of the sampling policy (the rollout's)."""
     advantages: torch.Tensor
     """Per-token advantages."""
     loss_mask: torch.Tensor
-    """1 where the token is trained on (response tokens), 0 elsewhere."""
+    """1 where the token is trained on (response tokens), 0 elsewhere (and on padding)."""
     ref_logprobs: torch.Tensor | None = None
     """Reference-policy log-probs for the KL term (needed when kl_coef > 0)."""
 
@@ -67,6 +73,71 @@ Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
 """(model chunk, micro-batch inputs) -> the chunk's output (logits on the last stage)."""
 LogprobsOf = Callable[[torch.Tensor, Any, float], torch.Tensor]
 """(last-stage output, micro-batch inputs, temperature) -> differentiable log-probs [T]."""
+
+
+def packed_forward(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """The model on one packed THD micro-batch."""
+    device = next(model.parameters()).device
+    return model(batch.tokens[None].to(device), batch.positions[None].to(device), None,
+                 packed_seq_params=batch.packed_seq_params(device))  # fmt: skip
+
+
+def packed_logprobs(output: torch.Tensor, batch: PackedBatch, temperature: float) -> torch.Tensor:
+    """Exact log p(next token) [T] at every packed position from this rank's vocab shard."""
+    return token_logprobs(output[0], batch.targets, temperature)
+
+
+def _spread(batch: PackedBatch, values: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    """Per-sequence values (one per predicted token, len - 1) at their packed positions; 0 at
+    each segment's last position and on the padding."""
+    out = torch.zeros(len(batch.tokens), dtype=torch.float32)
+    for (a, b), v in zip(batch.spans, values, strict=True):
+        v = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+        if len(v) != b - a - 1:
+            raise ValueError(
+                f"policy_micro_batches: {what} of a {b - a}-token sequence must hold {b - a - 1} "
+                f"values (one per predicted token), got {len(v)}"
+            )
+        out[a : b - 1] = v
+    return out
+
+
+def policy_micro_batches(
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    old_logprobs: Sequence[torch.Tensor],
+    advantages: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    *,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    micro_batch_tokens: int = 4096,
+) -> list[PolicyMicroBatch]:
+    """This rank's micro-batches of the global batch (every rank passes the same lists; each
+    per-token list entry holds len(sequence) - 1 values)."""
+    from megatron.core import parallel_state as ps
+
+    from onpolicy.train.logprobs import _micro_batches, _plan
+
+    n = len(sequences)
+    for what, values in (("old_logprobs", old_logprobs), ("advantages", advantages),
+                         ("loss_mask", loss_masks), ("ref_logprobs", ref_logprobs)):  # fmt: skip
+        if values is not None and len(values) != n:
+            raise ValueError(f"policy_micro_batches: {n} sequences but {len(values)} {what}")
+    tp = ps.get_tensor_model_parallel_world_size()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    lengths = [len(s) for s in sequences]
+    plans = [_micro_batches(r, lengths, micro_batch_tokens) for r in _plan(n, dp)]
+    # EP exchanges tokens across DP replicas: every replica runs as many micro-batches.
+    mine = plans[dp_rank] + [[]] * (max(len(p) for p in plans) - len(plans[dp_rank]))
+    out = []
+    for idx in mine:
+        batch = PackedBatch.pack([sequences[i] for i in idx], multiple_of=tp)
+        per_token = {
+            what: None if values is None else _spread(batch, [values[i] for i in idx], what)
+            for what, values in (("old_logprobs", old_logprobs), ("advantages", advantages),
+                                 ("loss_mask", loss_masks), ("ref_logprobs", ref_logprobs))
+        }  # fmt: skip
+        out.append(PolicyMicroBatch(inputs=batch, **per_token))
+    return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,8 +200,9 @@ def _forward_step(data_iterator, model, *, forward: Forward, logprobs_of: Logpro
 
     def loss_func(output_tensor: torch.Tensor):
         lp = logprobs_of(output_tensor, mb.inputs, temperature)
-        out = ppo_clip_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, loss,
-                            mb.ref_logprobs)  # fmt: skip
+        per_token = (mb.old_logprobs, mb.advantages, mb.loss_mask, mb.ref_logprobs)
+        old, adv, mask, ref = (None if t is None else t.to(lp.device) for t in per_token)
+        out = ppo_clip_loss(lp, old, adv, mask, loss, ref)
         reduced = {"loss": out.loss_sum.detach(), "num_tokens": out.num_tokens.float(),
                    **out.metrics}  # fmt: skip
         return out.loss_sum, out.num_tokens.to(torch.int), reduced
@@ -142,10 +214,10 @@ def forward_backward(
     chunks: Sequence[torch.nn.Module],
     microbatches: Sequence[PolicyMicroBatch],
     *,
-    forward: Forward,
-    logprobs_of: LogprobsOf,
     loss: PPOClipConfig,
     temperature: float = 1.0,
+    forward: Forward = packed_forward,
+    logprobs_of: LogprobsOf = packed_logprobs,
 ) -> dict[str, torch.Tensor]:
     """Zero the grads, run the schedule with backward, finalize (DP reduce, /tokens).
 
@@ -169,7 +241,7 @@ def forward_backward(
     )  # fmt: skip
     keys = ["loss", "num_tokens", "pg_loss", "kl", "clip_frac_low", "clip_frac_high", "clip_frac",
             "approx_kl", "ratio"]  # fmt: skip
-    device = microbatches[0].loss_mask.device
+    device = next(chunks[0].parameters()).device
     sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage():
         for reduced in out:
@@ -186,10 +258,10 @@ def train_step(
     optimizer: Any,
     microbatches: Sequence[PolicyMicroBatch],
     *,
-    forward: Forward,
-    logprobs_of: LogprobsOf,
     loss: PPOClipConfig,
     temperature: float = 1.0,
+    forward: Forward = packed_forward,
+    logprobs_of: LogprobsOf = packed_logprobs,
 ) -> StepResult:
     """One optimizer step on this rank's micro-batches of the global batch."""
     for chunk in chunks:
