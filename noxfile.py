@@ -125,8 +125,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11", default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not timed tests), recorded in docs/benchmarks.md: bytes per rank of the exact
-    collectives; with `-- --gpu` (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch and
-    the full-size prefill == decode check instead."""
+    collectives and the training-step time of the exact vs the local spec; with `-- --gpu` (a
+    CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch and the full-size prefill == decode
+    check instead."""
     if "--gpu" in session.posargs:
         args = [a for a in session.posargs if a != "--gpu"]
         session.install("torch", "triton", "numpy", "safetensors")
@@ -140,6 +141,9 @@ def bench(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "onpolicy.bench.comm_bytes", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    _install(session)  # the training-step benchmark runs the patched megatron-core
+    session.run("python", "-m", "onpolicy.bench.train_step", "--out",
+                str(ROOT / "docs/benchmarks.md"), env={"OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 @nox.session(python="3.11", default=False)
