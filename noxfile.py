@@ -9,6 +9,7 @@ nox -s patches               apply both patch series into build/upstream/ and ch
 nox -s lint                  pre-commit: ruff, ruff-format, patch check
 nox -s bench                 benchmarks (collective bytes per rank), recorded in docs/benchmarks.md
 nox -s bench -- --gpu        the exact kernels vs cuBLAS/SDPA and the full-size check (CUDA host)
+nox -s parity                SGLang samples, Megatron scores: log-probs bitwise per layout pair
 nox -s e2e                   the GRPO loop (not built yet; see README)
 """
 
@@ -144,6 +145,17 @@ def bench(session: nox.Session) -> None:
     _install(session)  # the training-step benchmark runs the patched megatron-core
     session.run("python", "-m", "onpolicy.bench.train_step", "--out",
                 str(ROOT / "docs/benchmarks.md"), env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    session.run("python", "-m", "onpolicy.bench.rollout", "--out", str(ROOT / "docs/benchmarks.md"))
+
+
+@nox.session(python="3.11", default=False)
+def parity(session: nox.Session) -> None:
+    """`onpolicy parity`: SGLang samples, Megatron scores the same tokens, bitwise per layout
+    pair (`-- --config FILE --pairs ...`; default: configs/tiny-cpu.toml's own layouts)."""
+    _install(session)
+    args = session.posargs or ["--config", str(ROOT / "configs/tiny-cpu.toml")]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    session.run("onpolicy", "parity", *args, env=env)
 
 
 @nox.session(python="3.11", default=False)
