@@ -5,8 +5,8 @@
   gradient of the same loss on the same checkpoint and batch, in fp32, within GRAD_RTOL of
   each tensor's largest entry, at world 1, TP2+SP and EP2. The same comparison must fail for a
   wrong gradient: advantages negated, or one HF weight perturbed.
-- Step: DDP + the distributed optimizer at DP2 take two steps; the weights move from the
-  checkpoint, the loss changes, and the two DP replicas hold the same bits.
+- Step: DDP + the distributed optimizer at TP2+SP x DP2 take two steps; the weights move from
+  the checkpoint, the loss falls, and the DP replicas hold the same bits.
 - Determinism: the same seeded two-step training in two separate torchrun launches gives
   bit-identical parameters on every rank, in fp32 and bf16; another seed's batch (the control)
   gives different bits.
@@ -149,28 +149,33 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
 
 RUNS = ("fp32:0", "bf16:0", "fp32:1", "bf16:1")
 """Seed 1 is the control: another batch, so other bits."""
+TRAIN_LAYOUT = ParallelLayout(world=4, tp=2, sp=True)
+"""TP2 + SP x DP2: the DP reduce-scatter of the distributed optimizer and the SP reductions."""
 
 
 @pytest.fixture(scope="module")
-def dp2_launches(torchrun, tiny_checkpoint, tmp_path_factory) -> list[Path]:
-    """Two separate launches of the same seeded two-step DP2 training with the distributed
-    optimizer; the second repeats the seed-0 runs only."""
+def train_launches(torchrun, tiny_checkpoint, tmp_path_factory) -> list[Path]:
+    """Two separate launches of the same seeded two-step training at TRAIN_LAYOUT with the
+    distributed optimizer; the second repeats the seed-0 runs only."""
     outs = []
     for i, runs in enumerate((RUNS, RUNS[:2])):
-        out = tmp_path_factory.mktemp(f"dp2-{i}")
-        torchrun(WORKER, 2, "--ckpt", str(tiny_checkpoint), "--out", str(out), "--mode", "train",
-                 "--distopt", "--steps", "2", "--runs", *runs)  # fmt: skip
+        out = tmp_path_factory.mktemp(f"train-{i}")
+        torchrun(WORKER, TRAIN_LAYOUT.world, "--ckpt", str(tiny_checkpoint), "--out", str(out),
+                 "--mode", "train", "--distopt", "--steps", "2", "--tp", str(TRAIN_LAYOUT.tp),
+                 "--sp", "--runs", *runs)  # fmt: skip
         outs.append(out)
     return outs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_dp2_distributed_optimizer_steps(dtype, dp2_launches, tiny_checkpoint):
-    records = load_records(dp2_launches[0] / f"{dtype}-0")
-    assert [r["coords"]["dp"] for r in records] == [0, 1]
+def test_distributed_optimizer_steps_at_tp2_dp2(dtype, train_launches, tiny_checkpoint):
+    records = load_records(train_launches[0] / f"{dtype}-0")
+    assert [(r["coords"]["tp"], r["coords"]["dp"]) for r in records] == [
+        (0, 0), (1, 0), (0, 1), (1, 1)
+    ]  # fmt: skip
     steps = records[0]["steps"]
-    assert steps == records[1]["steps"], "every rank reports the same step results"
+    assert all(r["steps"] == steps for r in records), "every rank reports the same results"
     tokens = sum(int(m.sum()) for m in records[0]["loss_masks"])
     assert all(s["num_tokens"] == tokens for s in steps), (tokens, steps)
     assert steps[1]["loss"] < steps[0]["loss"], f"the PPO loss did not fall: {steps}"
@@ -178,31 +183,35 @@ def test_dp2_distributed_optimizer_steps(dtype, dp2_launches, tiny_checkpoint):
 
     cfg = Qwen3MoeConfig.from_hf(tiny_checkpoint)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    start = hf_to_megatron(cfg, load_hf_state_dict(tiny_checkpoint), ParallelLayout(world=2), 0,
-                           torch_dtype)  # fmt: skip
-    params = records[0]["params"]
-    assert all(p.dtype == torch_dtype for p in params.values())
-    moved = {k: n_differ(params[k], start[k]) for k in params}
-    frozen = [k for k, n in moved.items() if n == 0 and "local_experts" not in k]
-    if dtype == "bf16":
-        # Adam moves an element by about lr (1e-3) a step. The fp32 main params all move, but
-        # the bf16 copy of a norm weight near 1 changes only past half an ulp (2^-8 or 2^-9);
-        # the matrices (|w| ~ 0.1, half an ulp ~ 2^-12) must move.
-        frozen = [k for k in frozen if params[k].dim() > 1]
-    assert not frozen, f"{dtype}: tensors the step did not change: {frozen}"
-    assert sum(n > 0 for n in moved.values()) > len(moved) // 2, moved
-    for k in params:
-        assert bitwise_equal(params[k], records[1]["params"][k]), (
-            f"{dtype}: DP replicas differ after the step at {k}: "
-            f"{mismatch_report(params[k], records[1]['params'][k])}"
-        )
+    hf = load_hf_state_dict(tiny_checkpoint)
+    for rank, rec in enumerate(records):
+        start = hf_to_megatron(cfg, hf, TRAIN_LAYOUT, rank, torch_dtype)
+        params = rec["params"]
+        assert all(p.dtype == torch_dtype for p in params.values())
+        moved = {k: n_differ(params[k], start[k]) for k in params}
+        frozen = [k for k, n in moved.items() if n == 0 and "local_experts" not in k]
+        if dtype == "bf16":
+            # Adam moves an element by about lr (1e-3) a step. The fp32 main params all move,
+            # but the bf16 copy of a norm weight near 1 changes only past half an ulp (2^-8 or
+            # 2^-9); the matrices (|w| ~ 0.1, half an ulp ~ 2^-12) must move.
+            frozen = [k for k in frozen if params[k].dim() > 1]
+        assert not frozen, f"{dtype} rank {rank}: tensors the step did not change: {frozen}"
+        assert sum(n > 0 for n in moved.values()) > len(moved) // 2, moved
+    # The DP replicas of each TP rank hold the same bits after the steps.
+    for tp_rank in range(TRAIN_LAYOUT.tp):
+        a, b = (r["params"] for r in records if r["coords"]["tp"] == tp_rank)
+        for k in a:
+            assert bitwise_equal(a[k], b[k]), (
+                f"{dtype}: DP replicas of TP rank {tp_rank} differ at {k}: "
+                f"{mismatch_report(a[k], b[k])}"
+            )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_seeded_training_is_bitwise_reproducible(dtype, dp2_launches):
-    first, second = (load_records(out / f"{dtype}-0") for out in dp2_launches)
-    other_seed = load_records(dp2_launches[0] / f"{dtype}-1")
+def test_seeded_training_is_bitwise_reproducible(dtype, train_launches):
+    first, second = (load_records(out / f"{dtype}-0") for out in train_launches)
+    other_seed = load_records(train_launches[0] / f"{dtype}-1")
     for rank, (a, b, c) in enumerate(zip(first, second, other_seed, strict=True)):
         assert a["steps"] == b["steps"], (rank, a["steps"], b["steps"])
         for k, p in a["params"].items():
