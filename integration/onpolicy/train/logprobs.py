@@ -147,24 +147,27 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return picked - lse
 
 
-def _plan(n: int, dp: int) -> list[range]:
-    """Sequence indices of each DP replica: contiguous, the first n % dp one longer."""
-    sizes = collectives.sequence_split_sizes(n, dp)
+def plan_micro_batches(lengths: Sequence[int], dp: int, budget: int) -> list[list[list[int]]]:
+    """How `logprobs` deals sequences (by their `lengths`) to `dp` replicas: per replica, its
+    micro-batches as sequence indices. A replica takes a contiguous share (the first
+    len % dp one longer), cut in order into micro-batches of at most `budget` tokens (a longer
+    sequence alone); every replica gets as many micro-batches, padded with empty ones, since
+    EP exchanges tokens across replicas."""
+    sizes = collectives.sequence_split_sizes(len(lengths), dp)
     starts = [0, *itertools.accumulate(sizes)]
-    return [range(a, b) for a, b in itertools.pairwise(starts)]
-
-
-def _micro_batches(idx: range, lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive sequences, at most `budget` tokens per micro-batch (a longer one alone)."""
-    out: list[list[int]] = []
-    used = budget
-    for i in idx:
-        if used + lengths[i] > budget or not out:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += lengths[i]
-    return out
+    plans: list[list[list[int]]] = []
+    for a, b in itertools.pairwise(starts):
+        plan: list[list[int]] = []
+        used = budget
+        for i in range(a, b):
+            if used + lengths[i] > budget or not plan:
+                plan.append([])
+                used = 0
+            plan[-1].append(i)
+            used += lengths[i]
+        plans.append(plan)
+    n_micro = max(1, *(len(p) for p in plans))
+    return [p + [[] for _ in range(n_micro - len(p))] for p in plans]
 
 
 @torch.no_grad()
@@ -172,10 +175,9 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
              *, micro_batch_tokens: int = 4096) -> list[torch.Tensor] | None:  # fmt: skip
     """Per sequence, fp32 log p(token i | tokens < i) for i = 1..len-1, through `forward_only`.
 
-    Call on every rank with the same sequences. Each DP replica packs its contiguous share into
-    micro-batches of at most `micro_batch_tokens` tokens (every replica runs as many, padded
-    with empty ones, since EP exchanges tokens across replicas). Returns the list on global
-    rank 0, in the order given; None on every other rank.
+    Call on every rank with the same sequences. Each DP replica packs its share into THD
+    micro-batches of at most `micro_batch_tokens` tokens (`plan_micro_batches`). Returns the
+    list on global rank 0, in the order given; None on every other rank.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -183,10 +185,8 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
     models = list(model) if isinstance(model, list | tuple) else [model]
     tp = ps.get_tensor_model_parallel_world_size()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    lengths = [len(s) for s in sequences]
-    plans = [_micro_batches(r, lengths, micro_batch_tokens) for r in _plan(len(sequences), dp)]
-    n_micro = max(len(p) for p in plans)
-    mine = plans[dp_rank] + [[]] * (n_micro - len(plans[dp_rank]))
+    mine = plan_micro_batches([len(s) for s in sequences], dp, micro_batch_tokens)[dp_rank]
+    n_micro = len(mine)
     batches = [PackedBatch.pack([sequences[i] for i in mb], multiple_of=tp) for mb in mine]
     device = next(models[0].parameters()).device
 
