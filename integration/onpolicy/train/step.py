@@ -3,9 +3,9 @@ Megatron's schedules (`get_forward_backward_func`), the loss on the differentiab
 per-token log-probs of the model output (`logprobs.token_logprobs`).
 
 The global batch is given per sequence, the same on every rank, in the form `logprobs.logprobs`
-returns (values for tokens 1..len-1). `policy_micro_batches` deals it out exactly as
-`logprobs.logprobs` does: contiguous shares over DP, packed THD micro-batches of at most
-`micro_batch_tokens` tokens, padded to a multiple of TP, as many on every replica.
+returns (values for tokens 1..len-1). `policy_micro_batches` deals it out as `logprobs.logprobs`
+does (`logprobs.plan_micro_batches`): contiguous shares over DP, packed THD micro-batches of at
+most `micro_batch_tokens` tokens, padded to a multiple of TP, as many on every replica.
 
 Normalisation: every micro-batch's loss_func hands Megatron the masked *sum* of per-token
 losses and its token count, with `calculate_per_token_loss` on. The schedule then neither
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onpolicy.train.logprobs import PackedBatch, token_logprobs
+from onpolicy.train.logprobs import PackedBatch, plan_micro_batches, token_logprobs
 from onpolicy.train.loss import PPOClipConfig, ppo_clip_loss
 
 
@@ -115,8 +115,6 @@ def policy_micro_batches(
     per-token list entry holds len(sequence) - 1 values)."""
     from megatron.core import parallel_state as ps
 
-    from onpolicy.train.logprobs import _micro_batches, _plan
-
     n = len(sequences)
     for what, values in (("old_logprobs", old_logprobs), ("advantages", advantages),
                          ("loss_mask", loss_masks), ("ref_logprobs", ref_logprobs)):  # fmt: skip
@@ -124,12 +122,9 @@ def policy_micro_batches(
             raise ValueError(f"policy_micro_batches: {n} sequences but {len(values)} {what}")
     tp = ps.get_tensor_model_parallel_world_size()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    lengths = [len(s) for s in sequences]
-    plans = [_micro_batches(r, lengths, micro_batch_tokens) for r in _plan(n, dp)]
-    # EP exchanges tokens across DP replicas: every replica runs as many micro-batches.
-    mine = plans[dp_rank] + [[]] * (max(len(p) for p in plans) - len(plans[dp_rank]))
+    plan = plan_micro_batches([len(s) for s in sequences], dp, micro_batch_tokens)
     out = []
-    for idx in mine:
+    for idx in plan[dp_rank]:
         batch = PackedBatch.pack([sequences[i] for i in idx], multiple_of=tp)
         per_token = {
             what: None if values is None else _spread(batch, [values[i] for i in idx], what)
