@@ -6,7 +6,9 @@ For bf16 and fp32, it loads the HF checkpoint into this rank's shard of:
 - the stock local spec (the control), one sequence per micro-batch (its core attention cannot
   run THD), through the same schedule; from the same logits it keeps Megatron's own log-probs
   (-vocab_parallel_cross_entropy on the labels) and the exact vocab-parallel log-softmax.
-Global rank 0 writes {dtype: {"exact"|"stock_ce"|"stock_logsoftmax": [per-sequence fp32]}}.
+It also checks the gradient of the vocab-parallel log-prob against torch's on random logits.
+Global rank 0 writes {dtype: {"exact"|"stock_ce"|"stock_logsoftmax": [per-sequence fp32]},
+"grad_error": max abs gradient difference over the ranks}.
 """
 
 from __future__ import annotations
@@ -70,6 +72,22 @@ def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> dict[str
     return {k: [r[k].cpu() for r in rows] for k in ("stock_ce", "stock_logsoftmax")}
 
 
+def logprob_grad_error(vocab: int, temperature: float) -> float:
+    """max |grad - torch's| of `token_logprobs` w.r.t. this rank's vocab shard of random logits,
+    against autograd through torch.log_softmax of the full logits (fp32)."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(37, vocab, generator=g) * 4
+    targets = torch.randint(0, vocab, (37,), generator=g)
+    weights = torch.randn(37, generator=g)
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    shard = full.chunk(tp, dim=-1)[r].clone().requires_grad_()
+    (token_logprobs(shard, targets, temperature) * weights).sum().backward()
+    ref = full.clone().requires_grad_()
+    lsm = torch.log_softmax(ref / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
+    (lsm * weights).sum().backward()
+    return float((shard.grad - ref.grad.chunk(tp, dim=-1)[r]).abs().max())
+
+
 def run(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
@@ -94,7 +112,10 @@ def run(args: argparse.Namespace) -> None:
         control = stock_logprobs(stock, seqs, args.temperature)
         if dist.get_rank() == 0:
             result[name] = {"exact": values, **control}
+    grad_err = torch.tensor(logprob_grad_error(cfg.vocab_size, args.temperature))
+    dist.all_reduce(grad_err, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
+        result["grad_error"] = float(grad_err)
         torch.save(result, Path(args.out) / "logprobs.pt")
     dist.barrier()
     ps.destroy_model_parallel()
