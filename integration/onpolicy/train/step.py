@@ -142,7 +142,7 @@ class StepResult:
     loss: float
     """Token-mean PPO loss of the global batch, at the weights before the step."""
     grad_norm: float
-    """Global gradient norm before clipping."""
+    """Global gradient norm before clipping (Megatron computes it only when clip_grad > 0)."""
     num_tokens: int
     """Unmasked tokens of the global batch."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -269,5 +269,5 @@ def train_step(
         raise RuntimeError("train_step: the optimizer skipped the step (non-finite gradients)")
     n = float(sums["num_tokens"])
     means = {k: float(v) / max(n, 1.0) for k, v in sums.items() if k != "num_tokens"}
-    return StepResult(loss=means.pop("loss"), grad_norm=float(grad_norm), num_tokens=int(n),
-                      metrics=means)  # fmt: skip
+    norm = float("nan") if grad_norm is None else float(grad_norm)
+    return StepResult(loss=means.pop("loss"), grad_norm=norm, num_tokens=int(n), metrics=means)
