@@ -31,8 +31,9 @@ from onpolicy.train.loss import PPOClipConfig, ppo_clip_loss
 WORKER = Path(__file__).parent / "workers" / "megatron_train.py"
 GRAD_RTOL = 1e-4
 """Per tensor: max |grad - HF grad| <= GRAD_RTOL * max |HF grad|. Measured in fp32 on the tiny
-model: at most 2.4e-6 (different kernels and summation orders, same math); a sign flip of the
-advantages gives 2, a 1e-3 relative change of one norm weight well above 1e-4."""
+model: at most 3.2e-6 at each layout (different kernels and summation orders, same math); the
+controls measure at least 1.0 on every tensor (advantages negated; the clipped tokens change
+too, so not exactly 2) and 3.8e-3 at the worst tensor (one norm weight x 1.001)."""
 
 GRAD_LAYOUTS = {
     "world1": (1, {"tp": 1, "ep": 1, "sp": False}, []),
@@ -133,7 +134,7 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
     _, negated = hf_grads(hf_fp32, cfg, rec, sign=-1.0)
     bad = grad_errors(records, layout, cfg, negated)
     live = [k for k in bad if grads_nonzero(records, k)]
-    assert live and min(bad[k] for k in live) > 1.0, "negated advantages flip every gradient"
+    assert live and min(bad[k] for k in live) > GRAD_RTOL, "negated advantages must fail everywhere"
     weight = hf_fp32.get_parameter("model.layers.0.input_layernorm.weight")
     with torch.no_grad():
         weight.mul_(1 + 1e-3)
@@ -143,8 +144,10 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
         with torch.no_grad():
             weight.copy_(load_hf_state_dict(tiny_checkpoint)[
                 "model.layers.0.input_layernorm.weight"].float())  # fmt: skip
-    bad = grad_errors(records, layout, cfg, perturbed)
-    assert max(bad.values()) > GRAD_RTOL, "a perturbed weight must fail the comparison"
+    worse = grad_errors(records, layout, cfg, perturbed)
+    print(f"{name}: controls: negated min {min(bad[k] for k in live):.2e}, "
+          f"perturbed max {max(worse.values()):.2e}")  # fmt: skip
+    assert max(worse.values()) > GRAD_RTOL, "a perturbed weight must fail the comparison"
 
 
 RUNS = ("fp32:0", "bf16:0", "fp32:1", "bf16:1")
