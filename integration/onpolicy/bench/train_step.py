@@ -6,7 +6,8 @@ Adam) on the seeded tiny Qwen3-MoE, at world 1 and at TP2 + SP, one thread per r
   the exact vocab-parallel log-probs (`logprobs.token_logprobs`);
 - local: `build_gpt_model(spec="local")` (the stock local spec; it has no THD attention), the
   same equal-length sequences as a [b, s] batch per micro-batch, `torch.log_softmax` of the
-  TP-gathered logits.
+  TP-gathered logits. Its TP/SP mapping sums are whatever this build's megatron-core runs (the
+  patch series routes them to onpolicy's tree); the section says which.
 Same tokens, micro-batches, loss and optimizer on both. Each step is timed between barriers;
 after --warmup untimed steps, the median (and min, max) of --reps steps is reported.
 
@@ -172,6 +173,16 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def _mapping_note() -> str:
+    """Which sum the local spec's TP/SP mappings run on this build (the patch series may route
+    megatron-core's `_reduce` to onpolicy's tree)."""
+    from megatron.core.tensor_parallel import mappings
+
+    patched = hasattr(mappings, "onpolicy_tree_all_reduce")
+    how = "onpolicy's tree (the patch series routes them)" if patched else "torch.distributed"
+    return f"The local spec's TP/SP mapping sums (megatron-core `_reduce`) run {how}."
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m onpolicy.bench.train_step", description=__doc__)
     ap.add_argument("--out", help="append a dated markdown section with the table to this file")
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.reps} steps after {args.warmup} warm-up; torch {torch.__version__}).",
         "",
     ]
-    text = "\n".join([*head, table(rows)])
+    text = "\n".join([*head, table(rows), "", _mapping_note()])
     print(text)
     if args.out:
         with open(args.out, "a") as f:
