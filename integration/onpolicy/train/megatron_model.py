@@ -73,34 +73,6 @@ SPECS = ("exact", "local")
 stock local spec, the baseline the exact one is compared against."""
 
 
-def _exact_gpt_model_class():
-    from megatron.core.models.gpt import GPTModel
-
-    from onpolicy.train.exact_layers import ExactColumnParallelLinear
-
-    class ExactGPTModel(GPTModel):
-        """GPTModel with the LM head as `ExactColumnParallelLinear`.
-
-        GPTModel hard-codes its output layer class, so it is rebuilt here with the same
-        arguments (same parameter and state-dict names)."""
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            if self.post_process:
-                old = self.output_layer
-                self.output_layer = ExactColumnParallelLinear(
-                    self.config.hidden_size, self.vocab_size, config=self.config,
-                    init_method=self.config.init_method, bias=False, skip_bias_add=False,
-                    gather_output=old.gather_output,
-                    skip_weight_param_allocation=old.weight is None,
-                    embedding_activation_buffer=self.embedding_activation_buffer,
-                    grad_output_buffer=self.grad_output_buffer, tp_group=self.pg_collection.tp,
-                )  # fmt: skip
-                self.setup_embeddings_and_output_layer()
-
-    return ExactGPTModel
-
-
 def build_gpt_model(
     cfg: Qwen3MoeConfig,
     layout: ParallelLayout,
@@ -121,9 +93,9 @@ def build_gpt_model(
         raise ValueError(f"build_gpt_model: spec {spec!r} is not one of {SPECS}")
     config = transformer_config(cfg, layout, dtype)
     if spec == "exact":
-        from onpolicy.train.spec import exact_block_spec
+        from onpolicy.train.spec import ExactGPTModel, exact_block_spec
 
-        model_cls = _exact_gpt_model_class()
+        model_cls = ExactGPTModel
         layer_spec = exact_block_spec(cfg, get_num_layers_to_build(config))
         rope = "none"  # applied by ExactCoreAttention
     else:

@@ -16,7 +16,8 @@ not name: the router and the MoE layer.
 - router: `ExactRouter`, `kernels.moe_route`;
 - SwiGLU experts and expert TP: `ExactSequentialMLP`, `kernels.silu_mul`, `collectives`;
 - EP dispatch and combine: `ExactMoELayer`, `collectives.ep_dispatch` / `ep_combine`
-  (`kernels.moe_combine`).
+  (`kernels.moe_combine`);
+- LM head: `ExactGPTModel` rebuilds it as `ExactColumnParallelLinear`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from functools import partial
 
 from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
@@ -119,3 +121,24 @@ def exact_block_spec(cfg: Qwen3MoeConfig, layers_on_stage: int) -> TransformerBl
     return TransformerBlockSubmodules(
         layer_specs=[exact_layer_spec(cfg)] * layers_on_stage, layer_norm=ExactRMSNorm
     )
+
+
+class ExactGPTModel(GPTModel):
+    """GPTModel with the LM head as `ExactColumnParallelLinear`.
+
+    GPTModel hard-codes its output layer class, so it is rebuilt with the same arguments (same
+    parameter and state-dict names) once GPTModel has built the rest.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.post_process:
+            old = self.output_layer
+            self.output_layer = ExactColumnParallelLinear(
+                self.config.hidden_size, self.vocab_size, config=self.config,
+                init_method=self.config.init_method, bias=False, skip_bias_add=False,
+                gather_output=old.gather_output, skip_weight_param_allocation=old.weight is None,
+                embedding_activation_buffer=self.embedding_activation_buffer,
+                grad_output_buffer=self.grad_output_buffer, tp_group=self.pg_collection.tp,
+            )  # fmt: skip
+            self.setup_embeddings_and_output_layer()
