@@ -95,11 +95,34 @@ def _spread(batch: PackedBatch, values: Sequence[torch.Tensor], what: str) -> to
         v = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
         if len(v) != b - a - 1:
             raise ValueError(
-                f"policy_micro_batches: {what} of a {b - a}-token sequence must hold {b - a - 1} "
+                f"pack_micro_batch: {what} of a {b - a}-token sequence must hold {b - a - 1} "
                 f"values (one per predicted token), got {len(v)}"
             )
         out[a : b - 1] = v
     return out
+
+
+def pack_micro_batch(
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    old_logprobs: Sequence[torch.Tensor],
+    advantages: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    *,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    multiple_of: int = 1,
+) -> PolicyMicroBatch:
+    """One packed THD micro-batch of `sequences` (padded to a multiple of `multiple_of` tokens)
+    with each per-token input (len(sequence) - 1 values per sequence, as `logprobs.logprobs`
+    returns) at the packed position that predicts its token."""
+    n = len(sequences)
+    per_seq = {"old_logprobs": old_logprobs, "advantages": advantages, "loss_mask": loss_masks,
+               "ref_logprobs": ref_logprobs}  # fmt: skip
+    for what, values in per_seq.items():
+        if values is not None and len(values) != n:
+            raise ValueError(f"pack_micro_batch: {n} sequences but {len(values)} {what}")
+    batch = PackedBatch.pack(sequences, multiple_of=multiple_of)
+    spread = {k: None if v is None else _spread(batch, v, k) for k, v in per_seq.items()}
+    return PolicyMicroBatch(inputs=batch, **spread)
 
 
 def policy_micro_batches(
@@ -115,24 +138,29 @@ def policy_micro_batches(
     per-token list entry holds len(sequence) - 1 values)."""
     from megatron.core import parallel_state as ps
 
-    n = len(sequences)
-    for what, values in (("old_logprobs", old_logprobs), ("advantages", advantages),
-                         ("loss_mask", loss_masks), ("ref_logprobs", ref_logprobs)):  # fmt: skip
-        if values is not None and len(values) != n:
-            raise ValueError(f"policy_micro_batches: {n} sequences but {len(values)} {what}")
+    per_seq = (old_logprobs, advantages, loss_masks, ref_logprobs)
+    names = ("old_logprobs", "advantages", "loss_masks", "ref_logprobs")
+    for what, values in zip(names, per_seq, strict=True):
+        if values is not None and len(values) != len(sequences):
+            raise ValueError(
+                f"policy_micro_batches: {len(sequences)} sequences but {len(values)} {what}"
+            )
     tp = ps.get_tensor_model_parallel_world_size()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     plan = plan_micro_batches([len(s) for s in sequences], dp, micro_batch_tokens)
-    out = []
-    for idx in plan[dp_rank]:
-        batch = PackedBatch.pack([sequences[i] for i in idx], multiple_of=tp)
-        per_token = {
-            what: None if values is None else _spread(batch, [values[i] for i in idx], what)
-            for what, values in (("old_logprobs", old_logprobs), ("advantages", advantages),
-                                 ("loss_mask", loss_masks), ("ref_logprobs", ref_logprobs))
-        }  # fmt: skip
-        out.append(PolicyMicroBatch(inputs=batch, **per_token))
-    return out
+
+    def pick(values, idx):
+        return None if values is None else [values[i] for i in idx]
+
+    return [
+        pack_micro_batch(
+            [sequences[i] for i in idx],
+            *(pick(v, idx) for v in per_seq[:3]),
+            ref_logprobs=pick(ref_logprobs, idx),
+            multiple_of=tp,
+        )
+        for idx in plan[dp_rank]
+    ]
 
 
 @dataclass(kw_only=True, slots=True)
