@@ -43,7 +43,8 @@ CFG = tiny(**DIMS)
 LENGTHS = [23, 5, 40, 2, 17, 33, 1, 12]
 """Mixed lengths; a length-1 sequence predicts nothing and must still be packed and skipped."""
 MB_TOKENS = 64
-"""Micro-batch token budget: 4 micro-batches of 2 sequences, so PP runs a real pipeline."""
+"""Micro-batch token budget: 3 micro-batches at DP 1 (2 per replica at DP 2, one of them
+empty), so PP runs a real pipeline and THD packs several sequences per micro-batch."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 LAYOUTS: dict[str, tuple[ParallelLayout, float]] = {
