@@ -4,8 +4,9 @@ One CLI run on configs/tiny-cpu.toml covers the layout pairs (each rollout engin
 once and scored by several trainer layouts):
 - rollout TP2 EP2 against train TP2 PP2 EP2 SP (world 8) and against train TP1;
 - rollout TP1 against train TP2 SP;
-- the negative control: the same harness with SGLang's stock CPU path sampling, scored by
-  the same trainer, must differ.
+- the negative controls, the same harness with one side on its engine's stock path: SGLang's
+  stock CPU path sampling for the TP2 SP trainer, and Megatron's local spec scoring the TP2 EP2
+  rollout at world 1; both must differ.
 Rollout TP2 without EP against train TP1 is refused by the contract (rollout MoE TP 2 against
 ETP 1, tests/unit/test_parity_report.py), so the TP2 rollout runs with EP2.
 """
@@ -23,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu.toml"
 EXACT_PAIRS = ["tp2-ep2:world8-tp2-pp2-ep2-sp", "tp2-ep2:world1", "tp1:world2-tp2-sp"]
-CONTROL = "tp1-stock:world2-tp2-sp"
+CONTROLS = ["tp1-stock:world2-tp2-sp", "tp2-ep2:world1-stock"]
 PROMPTS, NEW_TOKENS, TEMPERATURE = 4, 12, 0.8
 ROW = re.compile(r"^(\S+)\s+(\d+) / (\d+)\s+(bitwise equal|DIFFER)$")
 
@@ -44,20 +45,22 @@ def table(stdout: str) -> dict[str, tuple[int, int, str]]:
 
 
 @pytest.mark.slow
-def test_parity_pairs_and_stock_control(tmp_path):
-    p = parity("--config", str(CONFIG), "--pairs", *EXACT_PAIRS, CONTROL,
+def test_parity_pairs_and_stock_controls(tmp_path):
+    p = parity("--config", str(CONFIG), "--pairs", *EXACT_PAIRS, *CONTROLS,
                "--workdir", str(tmp_path), "--prompts", str(PROMPTS),
                "--new-tokens", str(NEW_TOKENS), "--temperature", str(TEMPERATURE))  # fmt: skip
     print(p.stdout)
     rows = table(p.stdout)
-    assert set(rows) == {*EXACT_PAIRS, CONTROL}, f"rc {p.returncode}\n{p.stdout}\n{p.stderr}"
+    assert set(rows) == {*EXACT_PAIRS, *CONTROLS}, f"rc {p.returncode}\n{p.stdout}\n{p.stderr}"
     tokens = PROMPTS * NEW_TOKENS
     for pair in EXACT_PAIRS:
         assert rows[pair] == (tokens, tokens, "bitwise equal"), f"{pair}: {rows[pair]}\n{p.stdout}"
-    # The same harness with the stock rollout path: it must break, and say where.
-    equal, compared, verdict = rows[CONTROL]
-    assert compared == tokens and equal < compared and verdict == "DIFFER", rows[CONTROL]
-    first = [line for line in p.stdout.splitlines() if line.startswith(f"{CONTROL}: first")]
-    assert len(first) == 1 and re.search(r"\(0x[0-9a-f]{8}\) vs trainer .* \(0x[0-9a-f]{8}\)",
-                                         first[0]), p.stdout  # fmt: skip
+    # The same harness with one side on its stock path: it must break, and say where.
+    for pair in CONTROLS:
+        equal, compared, verdict = rows[pair]
+        assert compared == tokens and equal < compared and verdict == "DIFFER", rows[pair]
+        first = [line for line in p.stdout.splitlines() if line.startswith(f"{pair}: first")]
+        assert len(first) == 1 and re.search(
+            r"token id \d+: rollout \S+ \(0x[0-9a-f]{8}\) vs trainer \S+ \(0x[0-9a-f]{8}\)$",
+            first[0]), p.stdout  # fmt: skip
     assert p.returncode == 1, "a differing pair must fail the command"

@@ -75,8 +75,10 @@ def engine_phases(args: argparse.Namespace) -> list[dict]:
         results = [engine.begin_weight_update()]
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
+            # One payload per TP rank: a CPU tensor's shared-memory handle can be taken once.
+            payloads = [MultiprocessingSerializer.serialize(bucket) for _ in range(args.tp)]
             obj = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)] * args.tp,
+                serialized_named_tensors=payloads,
                 flush_cache=last, weight_version=args.tensor_version if last else None,
             )  # fmt: skip
             results.append(run(tm.update_weights_from_tensor(obj, None)))
