@@ -105,7 +105,8 @@ def parse_pair(spec: str) -> Pair:
                 raise ContractError(
                     "parity_pairs",
                     f"--pairs {spec!r}: {side} token {tok!r} is unknown or repeated",
-                    f"{side} tokens are {', '.join(sorted(allowed))} (<name><size>, and sp)",
+                    f"{side} tokens are {', '.join(sorted(allowed))} (<name><size>; sp, stock "
+                    "bare)",
                 )
             out[key] = int(m.group(2)) if m.group(2) else 1
         return out
@@ -318,7 +319,8 @@ def _free_port() -> int:
 
 def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
             prompts: list[list[int]], folder: Path) -> list[dict]:  # fmt: skip
-    """Sample every prompt on one exact engine at `layout`; the samples with log-probs."""
+    """Sample every prompt on one engine at `layout` (exact, or stock for the control); the
+    samples with their log-probs."""
     folder.mkdir(parents=True, exist_ok=True)
     req = RolloutRequest(prompts=prompts, new_tokens=run.new_tokens,
                          temperature=run.temperature, seed=run.seed)  # fmt: skip
@@ -334,10 +336,10 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
     return json.loads((folder / "samples.json").read_text())["samples"]
 
 
-def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: ParallelLayout,
-                 samples_file: Path, folder: Path,
-                 stock: bool = False) -> dict[int, torch.Tensor]:  # fmt: skip
-    """Megatron's log-probs of every sample at `layout`, by sample index."""
+def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples_file: Path,
+                 folder: Path) -> dict[int, torch.Tensor]:  # fmt: skip
+    """Megatron's log-probs of every sample at the pair's training layout, by sample index."""
+    layout = pair.training
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "scores.pt").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={layout.world}",
@@ -346,15 +348,9 @@ def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: ParallelLay
            "--out", str(folder), "--dtype", cfg.model.dtype, "--temperature", str(run.temperature),
            "--tp", str(layout.tp), "--pp", str(layout.pp), "--ep", str(layout.ep),
            "--etp", str(layout.etp)]  # fmt: skip
-    cmd += (["--sp"] if layout.sp else []) + (["--stock"] if stock else [])
+    cmd += (["--sp"] if layout.sp else []) + (["--stock"] if pair.training_stock else [])
     env = _env(resolve_plan(cfg).training_env)
-    _run(
-        f"trainer {training_name(layout)}{'-stock' if stock else ''}",
-        cmd,
-        env,
-        folder / "trainer.log",
-        run.timeout,
-    )
+    _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
     return torch.load(folder / "scores.pt")
 
 
@@ -378,7 +374,6 @@ def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
         folder, samples = rollouts[p.rollout]
         log(f"parity: trainer {p.training_name} scores rollout {p.rollout.name} ...")
         out = workdir / f"train-{p.training_name}-{p.rollout.name}"
-        scores = train_scores(run, cfg, ckpt, p.training, folder / "samples.json", out,
-                              p.training_stock)  # fmt: skip
+        scores = train_scores(run, cfg, ckpt, p, folder / "samples.json", out)
         results.append(compare(samples, scores, p.name))
     return results
