@@ -17,6 +17,7 @@ after --warmup untimed steps, the median (and min, max) of --reps steps is repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import platform
 import socket
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+HEADING = "## Training step: exact vs local spec (CPU)"
+"""The section of docs/benchmarks.md this benchmark owns."""
 LAYOUTS = {"world 1": (1, False), "TP2 + SP": (2, True)}
 """Name -> (TP = world size, sequence parallel)."""
 
@@ -210,18 +213,49 @@ def main(argv: list[str] | None = None) -> None:
             rows += [Row(layout=name, spec=spec, times=t) for spec, t in
                      (queue.get() for _ in range(2))]  # fmt: skip
     head = [
-        f"### Training step, exact vs local spec, {datetime.date.today()}, {platform.machine()}",
+        HEADING,
         "",
-        f"`python -m onpolicy.bench.train_step` ({args.seqs} sequences x {args.seq_len} tokens "
-        f"in {args.micro_batches} micro-batches, bf16, one thread per rank, median of "
-        f"{args.reps} steps after {args.warmup} warm-up; torch {torch.__version__}).",
+        f"{datetime.date.today()}, {platform.machine()}, {_cpu()}, torch {torch.__version__}, "
+        f"gloo. `python -m onpolicy.bench.train_step`: one PPO-clip step "
+        f"(`onpolicy.train.step.train_step`: forward, backward, finalize, distributed Adam) on "
+        f"the tiny model, {args.seqs} sequences x {args.seq_len} tokens in "
+        f"{args.micro_batches} micro-batches, bf16, one thread per rank, median of {args.reps} "
+        f"steps after {args.warmup} warm-up. Exact: the exact spec, packed THD, exact "
+        "vocab-parallel log-probs. Local: megatron-core's local spec, the same sequences as "
+        "[b, s] micro-batches, `torch.log_softmax` of the TP-gathered logits.",
         "",
     ]
     text = "\n".join([*head, table(rows), "", _mapping_note()])
     print(text)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text + "\n")
+        write_section(Path(args.out), text)
+
+
+def write_section(path: Path, text: str) -> None:
+    """Put `text` (starting with HEADING) in place of the file's HEADING section, or at the end
+    when there is none, so that a re-run updates the section instead of adding another."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    if HEADING in lines:
+        start = lines.index(HEADING)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                   len(lines))  # fmt: skip
+        lines[start:end] = [*text.splitlines(), *([""] if end < len(lines) else [])]
+    else:
+        lines += ["", *text.splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _cpu() -> str:
+    """CPU model and core count, from /proc/cpuinfo where there is one."""
+    import os
+
+    model = platform.processor() or "CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model} x {os.cpu_count()}"
 
 
 if __name__ == "__main__":
