@@ -28,9 +28,9 @@ def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
     if isinstance(layer, RowParallelLinear):
         if layer.reduce_results and layer.tp_size > 1:
             raise NotImplementedError(
-                "onpolicy linear: a RowParallelLinear that all-reduces its own output "
-                f"({layer.prefix if hasattr(layer, 'prefix') else layer}) would sum rounded "
-                "shards; the exact path leaves that sum to the layer boundary"
+                "onpolicy linear: a RowParallelLinear with reduce_results=True at tp_size "
+                f"{layer.tp_size} would sum rounded shards; the exact path sums the fp32 "
+                "partials at the layer boundary (reduce_results=False)"
             )
         if bias is not None and layer.tp_size > 1:
             raise NotImplementedError("onpolicy linear: row-parallel bias is not supported")

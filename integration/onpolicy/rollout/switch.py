@@ -22,16 +22,6 @@ DTYPES = ("bfloat16", "float32")
 """Model dtypes the exact path serves: the contract dtype (bf16) and fp32."""
 
 
-def active() -> bool:
-    """Whether this SGLang process runs with the switch on (False before its config exists)."""
-    from sglang.srt.runtime_context import get_exec
-
-    try:
-        return get_exec().deterministic.rl_on_policy_target == TARGET
-    except (ValueError, RuntimeError, AttributeError):
-        return False
-
-
 def _refuse(rule: str, problem: str, fix: str) -> None:
     raise ContractError(rule, f"rl_on_policy_target={TARGET!r}: {problem}", fix)
 

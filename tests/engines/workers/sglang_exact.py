@@ -4,7 +4,7 @@ answered and written as JSON.
 The plan (JSON) lists engine runs (arguments and generate calls, started one after the other in
 this process); each call is a batch of requests (token ids, temperature, seed, new tokens),
 answered by one `generate`; the worker records tokens and the float32 bits of every sampled
-log-prob. `--refuse` instead starts engines that must be refused and records the errors.
+log-prob. A plan with `refuse` instead starts engines that must be refused, recording the errors.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import struct
+import sys
 import time
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -99,7 +100,10 @@ def main(args: argparse.Namespace) -> None:
     if "refuse" in plan:
         result = {"refusals": refusals(plan["ckpt"], plan["refuse"])}
     else:
-        result = {"runs": {spec["name"]: run(plan["ckpt"], spec) for spec in plan["runs"]}}
+        result = {"runs": {}}
+        for spec in plan["runs"]:
+            result["runs"][spec["name"]] = r = run(plan["ckpt"], spec)
+            print(f"{spec['name']}: {r['seconds']:.1f} s", file=sys.stderr, flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f)
 
