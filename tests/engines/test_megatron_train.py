@@ -3,8 +3,8 @@
 - Gradient: the finalized gradient of the PPO loss through Megatron (DDP buffers, after the
   DP/SP reductions and the global token-mean division) equals HF transformers' autograd
   gradient of the same loss on the same checkpoint and batch, in fp32, within GRAD_RTOL of
-  each tensor's largest entry, at world 1, TP2+SP and EP2. The same comparison must fail for a
-  wrong gradient: advantages negated, or one HF weight perturbed.
+  each tensor's largest entry, at world 1, TP2+SP, PP2 and EP2. The same comparison must fail
+  for a wrong gradient: advantages negated, or one HF weight perturbed.
 - Step: DDP + the distributed optimizer at TP2+SP x DP2 take two steps; the weights move from
   the checkpoint, the loss falls, and the DP replicas hold the same bits.
 - Determinism: the same seeded two-step training in two separate torchrun launches gives
@@ -36,9 +36,10 @@ controls measure at least 1.0 on every tensor (advantages negated; the clipped t
 too, so not exactly 2) and 3.8e-3 at the worst tensor (one norm weight x 1.001)."""
 
 GRAD_LAYOUTS = {
-    "world1": (1, {"tp": 1, "ep": 1, "sp": False}, []),
-    "tp2-sp": (2, {"tp": 2, "ep": 1, "sp": True}, ["--tp", "2", "--sp"]),
-    "ep2": (2, {"tp": 1, "ep": 2, "sp": False}, ["--ep", "2"]),
+    "world1": (1, {}, []),
+    "tp2-sp": (2, {"tp": 2, "sp": True}, ["--tp", "2", "--sp"]),
+    "pp2": (2, {"pp": 2}, ["--pp", "2"]),
+    "ep2": (2, {"ep": 2}, ["--ep", "2"]),
 }
 
 
@@ -65,8 +66,23 @@ def hf_checkpoint_grads(model, cfg: Qwen3MoeConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+_HF_CACHE: dict[tuple, tuple[float, dict[str, torch.Tensor]]] = {}
+"""hf_grads of the checkpoint's weights by the bytes of its inputs: the layouts' batches are
+the same bits (exact forward old log-probs), so one HF backward serves them all; a differing
+batch is recomputed."""
+
+
 def hf_grads(model, cfg: Qwen3MoeConfig, rec: dict, sign: float = 1.0):
     """The global batch's token-mean PPO loss through HF autograd; (loss, grads by HF name)."""
+    key = (sign, repr(rec["loss_config"]), *(
+        t.numpy().tobytes() for k in ("sequences", "old_logprobs", "advantages", "loss_masks")
+        for t in rec[k]))  # fmt: skip
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _hf_grads(model, cfg, rec, sign)
+    return _HF_CACHE[key]
+
+
+def _hf_grads(model, cfg: Qwen3MoeConfig, rec: dict, sign: float):
     loss_cfg = PPOClipConfig(**rec["loss_config"])
     model.zero_grad(set_to_none=True)
     total, n = 0.0, 0
@@ -139,7 +155,7 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
     with torch.no_grad():
         weight.mul_(1 + 1e-3)
     try:
-        _, perturbed = hf_grads(hf_fp32, cfg, rec)
+        _, perturbed = _hf_grads(hf_fp32, cfg, rec, 1.0)  # not cached: other weights
     finally:
         with torch.no_grad():
             weight.copy_(load_hf_state_dict(tiny_checkpoint)[

@@ -108,7 +108,8 @@ def one_run(args, layout: ParallelLayout, cfg: Qwen3MoeConfig, hf: dict, dtype_n
 
 def main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
-    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, ep=args.ep, sp=args.sp)
+    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
+                            sp=args.sp)  # fmt: skip
     initialize_parallel_state(layout)
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
     hf = load_hf_state_dict(args.ckpt)
@@ -134,6 +135,7 @@ if __name__ == "__main__":
     ap.add_argument("--mode", choices=["grad", "train"], required=True)
     ap.add_argument("--runs", nargs="+", default=["fp32:0"], help="DTYPE:SEED, one run each")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--distopt", action="store_true")
