@@ -11,7 +11,7 @@ Adam) on the seeded tiny Qwen3-MoE, at world 1 and at TP2 + SP, one thread per r
 Same tokens, micro-batches, loss and optimizer on both. Each step is timed between barriers;
 after --warmup untimed steps, the median (and min, max) of --reps steps is reported.
 
-    python -m onpolicy.bench.train_step [--out docs/benchmarks.md] [--reps 5] [--seqs 8]
+    python -m onpolicy.bench.train_step [--out docs/benchmarks.md] [--reps 10] [--seqs 8]
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import os
 import platform
 import socket
 import statistics
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,7 +191,7 @@ def _mapping_note() -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m onpolicy.bench.train_step", description=__doc__)
     ap.add_argument("--out", help="append a dated markdown section with the table to this file")
-    ap.add_argument("--reps", type=int, default=5, help="timed steps per spec and layout")
+    ap.add_argument("--reps", type=int, default=10, help="timed steps per spec and layout")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--seqs", type=int, default=8, help="sequences in the global batch")
     ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     from onpolicy.models import write_tiny_checkpoint
 
     rows: list[Row] = []
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(write_tiny_checkpoint(Path(tmp) / "tiny", seed=0))
         ctx = mp.get_context("spawn")
@@ -212,9 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                                nprocs=world, join=True, start_method="spawn")  # fmt: skip
             rows += [Row(layout=name, spec=spec, times=t) for spec, t in
                      (queue.get() for _ in range(2))]  # fmt: skip
-    head = [
-        HEADING,
-        "",
+    lead = (
         f"{datetime.date.today()}, {platform.machine()}, {_cpu()}, torch {torch.__version__}, "
         f"gloo. `python -m onpolicy.bench.train_step`: one PPO-clip step "
         f"(`onpolicy.train.step.train_step`: forward, backward, finalize, distributed Adam) on "
@@ -222,10 +223,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.micro_batches} micro-batches, bf16, one thread per rank, median of {args.reps} "
         f"steps after {args.warmup} warm-up. Exact: the exact spec, packed THD, exact "
         "vocab-parallel log-probs. Local: megatron-core's local spec, the same sequences as "
-        "[b, s] micro-batches, `torch.log_softmax` of the TP-gathered logits.",
-        "",
-    ]
-    text = "\n".join([*head, table(rows), "", _mapping_note()])
+        "[b, s] micro-batches, `torch.log_softmax` of the TP-gathered logits. " + _mapping_note()
+    )
+    load.append(os.getloadavg()[0])
+    spread = (f"1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at the end "
+              f"on {os.cpu_count()} cores: other work on the machine widens the min-max "
+              "range.")  # fmt: skip
+    text = "\n".join([HEADING, "", textwrap.fill(lead, width=100), "", table(rows), "",
+                      textwrap.fill(spread, width=100)])  # fmt: skip
     print(text)
     if args.out:
         write_section(Path(args.out), text)
@@ -247,8 +252,6 @@ def write_section(path: Path, text: str) -> None:
 
 def _cpu() -> str:
     """CPU model and core count, from /proc/cpuinfo where there is one."""
-    import os
-
     model = platform.processor() or "CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
