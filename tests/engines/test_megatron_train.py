@@ -2,9 +2,10 @@
 
 - Gradient: the finalized gradient of the PPO loss through Megatron (DDP buffers, after the
   DP/SP reductions and the global token-mean division) equals HF transformers' autograd
-  gradient of the same loss on the same checkpoint and batch, in fp32, within GRAD_RTOL of
-  each tensor's largest entry, at world 1, TP2+SP, PP2 and EP2. The same comparison must fail
-  for a wrong gradient: advantages negated, or one HF weight perturbed.
+  gradient of the same loss (PPO-clip plus a k3 KL term) on the same checkpoint and batch, in
+  fp32, within GRAD_RTOL of each tensor's largest entry, at world 1, TP2+SP, PP2 and EP2. The
+  same comparison must fail for a wrong gradient: advantages negated, or one HF weight
+  perturbed.
 - Step: DDP + the distributed optimizer at TP2+SP x DP2 take two steps; the weights move from
   the checkpoint, the loss falls, and the DP replicas hold the same bits.
 - Determinism: the same seeded two-step training in two separate torchrun launches gives
@@ -31,9 +32,10 @@ from onpolicy.train.loss import PPOClipConfig, ppo_clip_loss
 WORKER = Path(__file__).parent / "workers" / "megatron_train.py"
 GRAD_RTOL = 1e-4
 """Per tensor: max |grad - HF grad| <= GRAD_RTOL * max |HF grad|. Measured in fp32 on the tiny
-model: at most 3.2e-6 at each layout (different kernels and summation orders, same math); the
-controls measure at least 1.0 on every tensor (advantages negated; the clipped tokens change
-too, so not exactly 2) and 3.8e-3 at the worst tensor (one norm weight x 1.001)."""
+model: at most 2.7e-6 at each layout (different kernels and summation orders, same math); the
+controls measure at least 1.2 on every tensor (advantages negated; the clipped tokens change
+and the KL term does not flip, so not exactly 2) and 3e-3 at the worst tensor (one norm
+weight x 1.001)."""
 
 GRAD_LAYOUTS = {
     "world1": (1, {}, []),
@@ -74,9 +76,9 @@ batch is recomputed."""
 
 def hf_grads(model, cfg: Qwen3MoeConfig, rec: dict, sign: float = 1.0):
     """The global batch's token-mean PPO loss through HF autograd; (loss, grads by HF name)."""
-    key = (sign, repr(rec["loss_config"]), *(
-        t.numpy().tobytes() for k in ("sequences", "old_logprobs", "advantages", "loss_masks")
-        for t in rec[k]))  # fmt: skip
+    inputs = ("sequences", "old_logprobs", "ref_logprobs", "advantages", "loss_masks")
+    key = (sign, repr(rec["loss_config"]),
+           *(t.numpy().tobytes() for k in inputs for t in rec[k]))  # fmt: skip
     if key not in _HF_CACHE:
         _HF_CACHE[key] = _hf_grads(model, cfg, rec, sign)
     return _HF_CACHE[key]
@@ -86,11 +88,12 @@ def _hf_grads(model, cfg: Qwen3MoeConfig, rec: dict, sign: float):
     loss_cfg = PPOClipConfig(**rec["loss_config"])
     model.zero_grad(set_to_none=True)
     total, n = 0.0, 0
-    for seq, old, adv, mask in zip(rec["sequences"], rec["old_logprobs"], rec["advantages"],
-                                   rec["loss_masks"], strict=True):  # fmt: skip
+    for seq, old, ref, adv, mask in zip(rec["sequences"], rec["old_logprobs"],
+                                        rec["ref_logprobs"], rec["advantages"], rec["loss_masks"],
+                                        strict=True):  # fmt: skip
         logits = model(seq[None]).logits[0, :-1]
         lp = torch.log_softmax(logits.float(), -1).gather(-1, seq[1:, None])[:, 0]
-        out = ppo_clip_loss(lp, old, sign * adv, mask, loss_cfg)
+        out = ppo_clip_loss(lp, old, sign * adv, mask, loss_cfg, ref)
         total, n = total + out.loss_sum, n + int(out.num_tokens)
     loss = total / n
     loss.backward()
@@ -141,6 +144,7 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
     sums = records[0]["sums"]
     assert sums["loss"] / sums["num_tokens"] == pytest.approx(loss, rel=1e-5), (sums, loss)
     assert 0 < sums["clip_frac_low"] and 0 < sums["clip_frac_high"], "both clip bounds active"
+    assert rec["loss_config"]["kl_coef"] > 0 and sums["kl"] > 0, "the KL term is in the loss"
     errs = grad_errors(records, layout, cfg, grads)
     worst = max(errs, key=errs.get)
     print(f"{name}: {len(errs)} tensors, worst {worst} at {errs[worst]:.2e} (rtol {GRAD_RTOL})")

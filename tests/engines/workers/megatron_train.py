@@ -2,8 +2,9 @@
 
 Each run in --runs (DTYPE:SEED) builds the exact-spec model, loads the tiny HF checkpoint into
 this rank's shard, wraps it in DDP + Megatron's optimizer, takes the global batch of SEED,
-scores it with the forward-only `logprobs` (plus seeded noise: the old log-probs, so that the
-ratio spreads over both clip bounds), deals it out with `policy_micro_batches`, then
+scores it with the forward-only `logprobs`, adds seeded noise to make the old log-probs (the
+ratio spreads over both clip bounds) and the KL term's reference log-probs, deals it out with
+`policy_micro_batches`, then
 - --mode grad: one forward/backward; writes the finalized gradient of every parameter;
 - --mode train: --steps optimizer steps; writes every parameter after them.
 Each rank writes --out/RUN/rank{r}.pt: its coordinates, the global batch, the step results,
@@ -44,16 +45,18 @@ MICRO_BATCH_TOKENS = 24
 both exercised."""
 PROMPT = 3
 """Prompt tokens per sequence: the predictions of prompt tokens are masked out of the loss."""
-LOSS = PPOClipConfig(eps_clip_low=0.2, eps_clip_high=0.28)
-OLD_NOISE = 0.3
-"""Std of the seeded noise added to the old log-probs (ratios beyond both clip bounds)."""
+LOSS = PPOClipConfig(eps_clip_low=0.2, eps_clip_high=0.28, kl_coef=0.1)
+"""Clip-higher and a KL penalty against a reference policy."""
+OLD_NOISE, REF_NOISE = 0.3, 0.2
+"""Std of the seeded noise added to the scored log-probs to make the old ones (ratios beyond
+both clip bounds) and the reference ones (a KL term with a gradient)."""
 
 
 def global_batch(vocab: int, seed: int) -> dict[str, list[torch.Tensor]]:
-    """Sequences, loss masks, per-token advantages and old-log-prob noise (len - 1 each)."""
+    """Sequences, loss masks, per-token advantages and log-prob noise (len - 1 each)."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, list[torch.Tensor]] = {"sequences": [], "loss_masks": [], "advantages": [],
-                                          "noise": []}  # fmt: skip
+                                          "old_noise": [], "ref_noise": []}  # fmt: skip
     for n in LENGTHS:
         out["sequences"].append(torch.randint(0, vocab, (n,), generator=g))
         mask = torch.ones(n - 1)
@@ -62,16 +65,16 @@ def global_batch(vocab: int, seed: int) -> dict[str, list[torch.Tensor]]:
         out["advantages"].append(
             torch.randn((), generator=g) + 0.1 * torch.randn(n - 1, generator=g)
         )
-        out["noise"].append(OLD_NOISE * torch.randn(n - 1, generator=g))
+        out["old_noise"].append(OLD_NOISE * torch.randn(n - 1, generator=g))
+        out["ref_noise"].append(REF_NOISE * torch.randn(n - 1, generator=g))
     return out
 
 
-def old_logprobs(chunks, batch: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Forward-only log-probs at the current weights (the driver's), plus the seeded noise, on
-    every rank."""
+def scored(chunks, batch: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Forward-only log-probs at the current weights (the driver's), on every rank."""
     values = [logprobs(chunks, batch["sequences"], micro_batch_tokens=MICRO_BATCH_TOKENS)]
     dist.broadcast_object_list(values, src=0)
-    return [lp + noise for lp, noise in zip(values[0], batch["noise"], strict=True)]
+    return values[0]
 
 
 def one_run(args, layout: ParallelLayout, cfg: Qwen3MoeConfig, hf: dict, dtype_name: str,
@@ -84,12 +87,16 @@ def one_run(args, layout: ParallelLayout, cfg: Qwen3MoeConfig, hf: dict, dtype_n
     settings = OptimizerSettings(lr=args.lr, distributed_optimizer=args.distopt, clip_grad=1.0)
     chunks, optimizer = setup_training(model, settings)
     batch = global_batch(cfg.vocab_size, seed)
-    olds = old_logprobs(chunks, batch)
-    mbs = policy_micro_batches(batch["sequences"], olds, batch["advantages"], batch["loss_masks"],
-                               micro_batch_tokens=MICRO_BATCH_TOKENS)  # fmt: skip
+    scores = scored(chunks, batch)
+    olds = [lp + noise for lp, noise in zip(scores, batch["old_noise"], strict=True)]
+    refs = [lp + noise for lp, noise in zip(scores, batch["ref_noise"], strict=True)]
+    mbs = policy_micro_batches(
+        batch["sequences"], olds, batch["advantages"], batch["loss_masks"], ref_logprobs=refs,
+        micro_batch_tokens=MICRO_BATCH_TOKENS,
+    )  # fmt: skip
     record: dict = {"coords": layout.coords(rank), "dtype": dtype_name, "seed": seed,
                     "loss_config": asdict(LOSS), "sequences": batch["sequences"],
-                    "old_logprobs": olds, "advantages": batch["advantages"],
+                    "old_logprobs": olds, "ref_logprobs": refs, "advantages": batch["advantages"],
                     "loss_masks": batch["loss_masks"], "micro_batches": len(mbs)}  # fmt: skip
     if args.mode == "grad":
         for c in chunks:
