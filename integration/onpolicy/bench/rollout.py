@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from onpolicy.models import write_tiny_checkpoint
 
+    load = os.getloadavg()[0]  # the machine may be shared; the figure says so
     with tempfile.TemporaryDirectory(prefix="onpolicy-bench-") as d:
         tmp = Path(d)
         ckpt = write_tiny_checkpoint(tmp / "tiny", seed=0)
@@ -91,16 +92,22 @@ def main(argv: list[str] | None = None) -> None:
         f"| {e} | {statistics.median(t):.3f} | {rate[e]:.1f} | {', '.join(f'{x:.3f}' for x in t)} |"
         for e, t in times.items()
     ]
-    head = (
-        f"## Rollout throughput on CPU, {time.strftime('%Y-%m-%d', time.gmtime())}\n\n"
+    head = "\n".join([
+        f"## Rollout throughput on CPU, {time.strftime('%Y-%m-%d', time.gmtime())}",
+        "",
         f"`python -m onpolicy.bench.rollout --prompts {args.prompts} --new-tokens "
-        f"{args.new_tokens} --reps {args.reps}`: one SGLang engine at TP1 on the tiny seeded "
-        f"Qwen3-MoE ({args.dtype}), {args.prompts} prompts x {args.new_tokens} sampled tokens per "
-        f"batch (log-probs returned), median of {args.reps} batches after a warm-up; torch "
-        f"{torch.__version__}, {os.cpu_count()} CPU cores. The exact engine "
-        f'(`rl_on_policy_target="onpolicy"`) runs {ratio:.2f}x the stock engine\'s tokens/s.'
+        f"{args.new_tokens} --reps {args.reps}` (`nox -s bench`): one SGLang engine at TP1 on",
+        f"the tiny seeded Qwen3-MoE ({args.dtype}), {args.prompts} prompts x {args.new_tokens} "
+        f"sampled tokens per batch (log-probs returned), the median of {args.reps} batches",
+        f"after a warm-up. torch {torch.__version__}, {os.cpu_count()} CPU cores, 1-minute load "
+        f"average {load:.1f} before the runs. The stock engine is the same engine",
+        "without `rl_on_policy_target` and with SGLang's torch_native attention.",
+    ])  # fmt: skip
+    tail = (
+        f'The exact engine (`rl_on_policy_target="onpolicy"`) runs {ratio:.2f}x the stock '
+        "engine's tokens/s."
     )
-    text = head + "\n\n" + "\n".join(rows) + "\n"
+    text = head + "\n\n" + "\n".join(rows) + "\n\n" + tail + "\n"
     print(text)
     if args.out:
         with open(args.out, "a") as f:
