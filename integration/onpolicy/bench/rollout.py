@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -92,17 +93,17 @@ def main(argv: list[str] | None = None) -> None:
         f"| {e} | {statistics.median(t):.3f} | {rate[e]:.1f} | {', '.join(f'{x:.3f}' for x in t)} |"
         for e, t in times.items()
     ]
-    head = "\n".join([
-        f"## Rollout throughput on CPU, {time.strftime('%Y-%m-%d', time.gmtime())}",
-        "",
+    intro = (
         f"`python -m onpolicy.bench.rollout --prompts {args.prompts} --new-tokens "
-        f"{args.new_tokens} --reps {args.reps}` (`nox -s bench`): one SGLang engine at TP1 on",
-        f"the tiny seeded Qwen3-MoE ({args.dtype}), {args.prompts} prompts x {args.new_tokens} "
-        f"sampled tokens per batch (log-probs returned), the median of {args.reps} batches",
-        f"after a warm-up. torch {torch.__version__}, {os.cpu_count()} CPU cores, 1-minute load "
-        f"average {load:.1f} before the runs. The stock engine is the same engine",
-        "without `rl_on_policy_target` and with SGLang's torch_native attention.",
-    ])  # fmt: skip
+        f"{args.new_tokens} --reps {args.reps}` (`nox -s bench`): one SGLang engine at TP1 on the "
+        f"tiny seeded Qwen3-MoE ({args.dtype}), {args.prompts} prompts x {args.new_tokens} sampled "
+        f"tokens per batch (log-probs returned), the median of {args.reps} batches after a "
+        f"warm-up. torch {torch.__version__}, {os.cpu_count()} CPU cores, 1-minute load average "
+        f"{load:.1f} before the runs. The stock engine is the same engine without "
+        "`rl_on_policy_target` and with SGLang's torch_native attention."
+    )
+    head = f"## Rollout throughput on CPU, {time.strftime('%Y-%m-%d', time.gmtime())}\n\n"
+    head += textwrap.fill(intro, width=96, break_on_hyphens=False, break_long_words=False)
     tail = (
         f'The exact engine (`rl_on_policy_target="onpolicy"`) runs {ratio:.2f}x the stock '
         "engine's tokens/s."
