@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -25,36 +24,59 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 GROUP = "onpolicy_weights"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trainer(args: argparse.Namespace) -> None:
     """Rank 0 of the weight-update group: broadcast every tensor, in the order of the names."""
+    from datetime import timedelta
+
     import torch
     from onpolicy.models.hf_layout import load_hf_state_dict
     from sglang.srt.utils.common import init_custom_process_group
 
     sd = load_hf_state_dict(args.ckpt)
-    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                   world_size=args.world, rank=0, group_name=GROUP)  # fmt: skip
+    # Rank 0 hosts the rendezvous store on a port the OS picks, and says which.
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, args.world, is_master=True, timeout=timedelta(seconds=900),
+        wait_for_workers=False,
+    )  # fmt: skip
+    print(f"PORT {store.port}", flush=True)
+    # The engine's ranks wrap their store in PrefixStore(group name), as this does.
+    pg = init_custom_process_group(
+        backend="gloo", store=torch.distributed.PrefixStore(GROUP, store),
+        world_size=args.world, rank=0, group_name=GROUP,
+    )  # fmt: skip
     for name in json.loads(args.names):
         torch.distributed.broadcast(sd[name].contiguous(), src=0, group=pg)
 
 
 def engine_phases(args: argparse.Namespace) -> list[dict]:
     from onpolicy.models.hf_layout import load_hf_state_dict
-    from onpolicy.parity_rollout import RolloutRequest, launch, sample
+    from onpolicy.parity_rollout import RolloutRequest
+
+    req = RolloutRequest(prompts=json.loads(args.prompts), new_tokens=args.new_tokens,
+                         temperature=args.temperature)  # fmt: skip
+    dist_sd = load_hf_state_dict(args.distributed_ckpt)
+    # Started first, so its imports overlap the engine's start; it then waits at the group's
+    # rendezvous until the engine joins in the `distributed` phase.
+    trainer_proc = subprocess.Popen([
+        sys.executable, __file__, "trainer", "--ckpt", args.distributed_ckpt,
+        "--world", str(1 + args.tp), "--names", json.dumps(list(dist_sd)),
+    ], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        return run_phases(args, req, dist_sd, trainer_proc)
+    finally:
+        if trainer_proc.poll() is None:  # the engine failed before the trainer could finish
+            trainer_proc.kill()
+
+
+def run_phases(args, req, dist_sd: dict, trainer_proc: subprocess.Popen) -> list:
+    from onpolicy.models.hf_layout import load_hf_state_dict
+    from onpolicy.parity_rollout import launch, sample
     from sglang.srt.managers.io_struct import (
         UpdateWeightsFromDistributedReqInput,
         UpdateWeightsFromTensorReqInput,
     )
     from sglang.srt.utils import MultiprocessingSerializer
 
-    req = RolloutRequest(prompts=json.loads(args.prompts), new_tokens=args.new_tokens,
-                         temperature=args.temperature)  # fmt: skip
     engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock)
     tm, run = engine.tokenizer_manager, engine.loop.run_until_complete
     phases: list[dict] = []
@@ -85,27 +107,23 @@ def engine_phases(args: argparse.Namespace) -> list[dict]:
         results.append(engine.end_weight_update())
         record("tensor", results=results)
 
-        dist_sd = load_hf_state_dict(args.distributed_ckpt)
-        names = list(dist_sd)
-        port, world = free_port(), 1 + args.tp
-        proc = subprocess.Popen([
-            sys.executable, __file__, "trainer", "--ckpt", args.distributed_ckpt,
-            "--port", str(port), "--world", str(world), "--names", json.dumps(names),
-        ])  # fmt: skip
-        try:
-            results = [engine.init_weights_update_group("127.0.0.1", port, 1, world, GROUP,
-                                                         backend="gloo")]  # fmt: skip
-            results.append(engine.begin_weight_update())
-            obj = UpdateWeightsFromDistributedReqInput(
-                names=names,
-                dtypes=[str(dist_sd[n].dtype).removeprefix("torch.") for n in names],
-                shapes=[list(dist_sd[n].shape) for n in names],
-                group_name=GROUP, weight_version=args.distributed_version,
-            )  # fmt: skip
-            results.append(run(tm.update_weights_from_distributed(obj, None)))
-            results.append(engine.end_weight_update())
-        finally:
-            rc = proc.wait(timeout=300)
+        line = trainer_proc.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"the trainer process exited ({trainer_proc.wait()}) before "
+                               f"opening its rendezvous port (said {line!r})")  # fmt: skip
+        port, names, world = int(line.split()[1]), list(dist_sd), 1 + args.tp
+        results = [engine.init_weights_update_group("127.0.0.1", port, 1, world, GROUP,
+                                                     backend="gloo")]  # fmt: skip
+        results.append(engine.begin_weight_update())
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=names,
+            dtypes=[str(dist_sd[n].dtype).removeprefix("torch.") for n in names],
+            shapes=[list(dist_sd[n].shape) for n in names],
+            group_name=GROUP, weight_version=args.distributed_version,
+        )  # fmt: skip
+        results.append(run(tm.update_weights_from_distributed(obj, None)))
+        results.append(engine.end_weight_update())
+        rc = trainer_proc.wait(timeout=300)
         results.append(engine.destroy_weights_update_group(GROUP))
         record("distributed", results=results, trainer_rc=rc)
     finally:
@@ -132,7 +150,6 @@ def main() -> None:
     e.add_argument("--prompts", default="[[1, 2, 3, 4], [10, 20, 30], [500, 600, 700, 800, 900]]")
     t = sub.add_parser("trainer")
     t.add_argument("--ckpt", required=True)
-    t.add_argument("--port", type=int, required=True)
     t.add_argument("--world", type=int, required=True)
     t.add_argument("--names", required=True)
     args = ap.parse_args()
