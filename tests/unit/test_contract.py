@@ -63,10 +63,11 @@ BROKEN = [
     ("sp_required", TINY, {"training.sp": False}, ["training.tp = 2", "training.sp = true"]),
     ("ep_divides_dp", TINY, {"training.ep": 4}, ["training.ep = 4", "= 2"]),
     ("rollout_ep_divides_tp", TINY, {"rollout.ep": 4}, ["rollout.ep = 4", "rollout.tp = 2"]),
-    ("rollout_moe_tp_equals_etp", TINY, {"rollout.ep": 1},
-     ["2 / 1 = 2", "training.etp = 1", "set rollout.ep = 2"]),
-    ("rollout_moe_tp_equals_etp", PUBLISHED, {"training.etp": 2},
-     ["2 / 2 = 1", "training.etp = 2", "set rollout.ep = 1"]),
+    ("rollout_moe_tp_tree_exact", TINY, {"rollout.ep": 1, "model.tiny.moe_intermediate_size": 48},
+     ["2 / 1 = 2", "training.etp = 1", "model.tiny.moe_intermediate_size = 48", "shards of 24",
+      "set rollout.ep = 2"]),
+    ("rollout_moe_tp_tree_exact", PUBLISHED, {"training.etp": 2},
+     ["2 / 2 = 1", "training.etp = 2", "shards of 384", "set rollout.ep = 1"]),
     ("colocated_gpus", TINY, {"rollout.engines": 3}, ["3 x 2 = 6", "training.world = 4"]),
     ("pp_divides_layers", PUBLISHED, {"hf.num_hidden_layers": 47},
      ["num_hidden_layers (config.json of model.hf_path) = 47", "training.pp = 2"]),
@@ -170,6 +171,14 @@ def test_rollout_tp_may_differ_where_the_tree_keeps_it_exact() -> None:
     cfg = changed(TINY, **{"rollout.tp": 4, "rollout.ep": 4, "rollout.engines": 1})
     plan = resolve_plan(cfg)
     assert plan.gpus_per_engine == 4 and plan.rollout_dims["moe_tp"] == 1
+
+
+def test_rollout_moe_tp_may_differ_from_etp_where_the_tree_keeps_it_exact() -> None:
+    # Tiny expert K = 32: rollout MoE TP 2 (TP2, EP1) cuts it into 16-wide power-of-2 slices of
+    # the one block, an aligned subtree, so it agrees with training ETP 1 (the whole tree).
+    cfg = changed(TINY, **{"rollout.ep": 1})
+    plan = resolve_plan(cfg)
+    assert plan.rollout_dims["moe_tp"] == 2 and cfg.training.etp == 1
 
 
 def test_published_plan_layout() -> None:

@@ -184,19 +184,6 @@ def rollout_ep_divides_tp(cfg: RunConfig) -> None:
         )
 
 
-def rollout_moe_tp_equals_etp(cfg: RunConfig) -> None:
-    moe_tp, etp = rollout_moe_tp(cfg), cfg.training.etp
-    if moe_tp != etp:
-        raise ContractError(
-            "rollout_moe_tp_equals_etp",
-            f"rollout MoE TP = rollout.tp / rollout.ep = {cfg.rollout.tp} / {cfg.rollout.ep} = "
-            f"{moe_tp} differs from training.etp = {etp}; the experts' down-projection K would be "
-            "cut differently on the two sides",
-            f"set rollout.ep = {cfg.rollout.tp // etp} (so rollout.tp / rollout.ep = {etp}), "
-            f"or training.etp = {moe_tp}",
-        )
-
-
 def colocated_gpus(cfg: RunConfig) -> None:
     r, world = cfg.rollout, cfg.training.world
     if r.colocate and r.engines * r.tp != world:
@@ -308,14 +295,41 @@ def rollout_tp_tree_exact(cfg: RunConfig) -> None:
             )
 
 
+def rollout_moe_tp_tree_exact(cfg: RunConfig) -> None:
+    """SGLang's MoE TP and Megatron's ETP cut the experts' down-projection K; different cuts
+    agree only where each keeps the tree (both then equal the unsharded tree)."""
+    moe_tp, etp = rollout_moe_tp(cfg), cfg.training.etp
+    if moe_tp == etp:
+        return
+    from onpolicy.kernels import K_BLOCK, row_parallel_exact
+
+    k = cfg.shape.moe_intermediate_size
+    sides = (
+        ("training.etp", etp),
+        (f"rollout MoE TP = {cfg.rollout.tp} / {cfg.rollout.ep}", moe_tp),
+    )
+    for name, tp in sides:
+        if not row_parallel_exact(k, tp, cfg.device):
+            raise ContractError(
+                "rollout_moe_tp_tree_exact",
+                f"rollout MoE TP = rollout.tp / rollout.ep = {cfg.rollout.tp} / {cfg.rollout.ep} "
+                f"= {moe_tp} differs from training.etp = {etp}, and {name} = {tp} cuts the "
+                f"experts' down-projection K = {dim(cfg, 'moe_intermediate_size')} = {k} into "
+                f"shards of {k // tp}: not an aligned subtree of the {K_BLOCK}-wide block tree, "
+                "so the two sides' sums would differ",
+                f"set rollout.ep = {max(cfg.rollout.tp // etp, 1)} (so rollout.tp / rollout.ep "
+                f"= {etp}), or training.etp = {moe_tp}",
+            )
+
+
 RULES: dict[str, Callable[[RunConfig], None]] = {
     f.__name__: f
     for f in (
         contract_name, model_family, dtype, device, allowed_dims, positive_sizes, world_layout,
         power_of_2_groups, sp_required, ep_divides_dp, rollout_ep_divides_tp,
-        rollout_moe_tp_equals_etp, colocated_gpus, pp_divides_layers, shard_heads,
+        colocated_gpus, pp_divides_layers, shard_heads,
         shard_kv_heads, shard_experts, shard_moe_intermediate, shard_vocab, vocab_parallel_exact,
-        rollout_tp_tree_exact,
+        rollout_tp_tree_exact, rollout_moe_tp_tree_exact,
     )
 }  # fmt: skip
 """Every rule, in the order `validate` checks them; the key is the rule name errors carry."""
