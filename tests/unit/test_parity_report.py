@@ -124,14 +124,15 @@ def test_pair_specs():
 
 
 def test_pairs_are_checked_against_the_contract():
-    cfg = pair_config(CONFIG, {}, parse_pair("tp2-ep2:world1"))
+    cfg = pair_config(CONFIG, {}, parse_pair("tp2:world1"))
     assert (cfg.rollout.engines, cfg.rollout.colocate, cfg.training.world) == (1, False, 1)
-    # Rollout MoE TP 2 against training ETP 1 would cut the experts' K differently.
-    with pytest.raises(ContractError, match="rollout_moe_tp_equals_etp") as e:
-        pair_config(CONFIG, {}, parse_pair("tp2:world1"))
-    assert "layout pair tp2:world1" in str(e.value)
-    with pytest.raises(ContractError, match="sp_required"):
+    cfg = pair_config(CONFIG, {}, parse_pair("tp1:world4-tp2-ep2-sp"))
+    assert (cfg.rollout.engines, cfg.rollout.colocate, cfg.training.dp) == (4, True, 2)
+    with pytest.raises(ContractError, match="sp_required") as e:
         pair_config(CONFIG, {}, parse_pair("tp1:tp2"))
+    assert "layout pair tp1:world2-tp2" in str(e.value)
+    with pytest.raises(ContractError, match="ep_divides_dp"):
+        pair_config(CONFIG, {}, parse_pair("tp1:tp2-ep2-sp"))
 
 
 def test_cli_refuses_bad_input_with_exit_2(tmp_path, capsys):
