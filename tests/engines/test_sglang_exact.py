@@ -8,12 +8,16 @@ requests on each. Every check below reads those results; bits are compared as in
 Launches are the cost (tens of seconds each on 2 cores), so they are shared:
 - a main engine per (layout, dtype): chunked prefill off, radix cache off. Its plan holds every
   request alone, then all of them co-batched (other lengths, both temperatures);
-- the chunk sweep (sizes 1, 7, 64) runs at TP1 in both dtypes, and one size (7) at TP2 bf16:
+- the chunk sweep runs at TP1: sizes 7 and 64 in both dtypes, size 1 (one token per forward,
+  the slowest engine of the file) in bf16, the contract dtype; and one size (7) at TP2 bf16:
   the chunk boundaries move only the attention's query rows, whose arithmetic is the same at
   every TP, while TP changes only the sums the TP1 == TP2 check covers. The size-64 engine (and
   the TP2 one) also has the radix cache on, with requests that share a prompt prefix or
   continue an earlier request's generated tokens (the cache then holds decode-made keys);
-- the negative control: the stock engine (torch_native attention, SGLang's own ops), TP1 bf16.
+- the negative controls: the stock engine (torch_native attention, SGLang's own ops), TP1
+  bf16, with chunking and the cache off, and with chunk 7 and the cache on, and TP2 EP2 bf16;
+  the same harnesses (decode == score, alone vs co-batched, chunked/cached vs not, TP1 vs TP2)
+  must find differing bits there.
 """
 
 from __future__ import annotations
@@ -77,11 +81,15 @@ def _runs(layout: str) -> list[dict]:
 
     runs = [spec(f"main-{d}", d) for d in DTYPES]
     if layout == "tp1":
+        runs.append(spec("chunk1-bfloat16", "bfloat16", chunked_prefill_size=1))
         for d in DTYPES:
-            runs += [spec(f"chunk1-{d}", d, chunked_prefill_size=1),
-                     spec(f"chunk7-{d}", d, chunked_prefill_size=7),
+            runs += [spec(f"chunk7-{d}", d, chunked_prefill_size=7),
                      spec(f"chunk64-radix-{d}", d, chunked_prefill_size=64,
                           disable_radix_cache=False)]  # fmt: skip
+        runs.append({**spec("stock-bfloat16", "bfloat16"), "stock": True})
+        runs.append({**spec("stock-chunk7-radix-bfloat16", "bfloat16", chunked_prefill_size=7,
+                            disable_radix_cache=False), "stock": True})  # fmt: skip
+    if layout == "tp2-ep2":
         runs.append({**spec("stock-bfloat16", "bfloat16"), "stock": True})
     if layout == "tp2":
         runs.append(spec("chunk7-radix-bfloat16", "bfloat16", chunked_prefill_size=7,
@@ -211,20 +219,35 @@ def _compare(a: dict, b: dict) -> tuple[int, int, int, int]:
     return tok, n, n - n_differ(_bits(a), _bits(b)), n
 
 
+def _alone_vs_cobatched(run: dict) -> list[tuple[int, int, int, int]]:
+    """Per request: `_compare` of its answer alone and co-batched with the others."""
+    batches = run["batches"]
+    alone, together = [b[0] for b in batches[: len(REQUESTS)]], batches[len(REQUESTS)]
+    return [_compare(a, b) for a, b in zip(alone, together, strict=True)]
+
+
+def _run_vs_run(a: dict, b: dict) -> list[tuple[int, int, int, int]]:
+    """Per request of the plan: `_compare` of two engines' answers."""
+    return [_compare(x, y) for (_, x), (_, y) in zip(_answers(a), _answers(b), strict=True)]
+
+
+def _totals(counts) -> tuple[int, int, int, int]:
+    return tuple(sum(c[i] for c in counts) for i in range(4))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, dtype", CASES)
 def test_batch_invariance(engine_runs, layout, dtype):
-    batches = engine_runs(layout)[f"main-{dtype}"]["batches"]
-    alone, together = [b[0] for b in batches[: len(REQUESTS)]], batches[len(REQUESTS)]
     assert len({len(r["prompt"]) for r in REQUESTS}) == len(REQUESTS)  # other lengths
-    counts = [_compare(a, b) for a, b in zip(alone, together, strict=True)]
-    tok, n_tok, lp, n_lp = (sum(c[i] for c in counts) for i in range(4))
+    counts = _alone_vs_cobatched(engine_runs(layout)[f"main-{dtype}"])
+    tok, n_tok, lp, n_lp = _totals(counts)
     print(f"[{layout} {dtype}] alone vs co-batched: tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
     assert (tok, lp) == (n_tok, n_lp), f"{layout} {dtype}: per request {counts}"
 
 
-SWEEPS = [pytest.param("tp1", f"{name}-{d}", d, id=f"tp1-{name}-{d}") for d in DTYPES
-          for name in ("chunk1", "chunk7", "chunk64-radix")] + [
+SWEEPS = [pytest.param("tp1", "chunk1-bfloat16", "bfloat16", id="tp1-chunk1-bfloat16")] + [
+    pytest.param("tp1", f"{name}-{d}", d, id=f"tp1-{name}-{d}") for d in DTYPES
+    for name in ("chunk7", "chunk64-radix")] + [
     pytest.param("tp2", "chunk7-radix-bfloat16", "bfloat16", id="tp2-chunk7-radix-bfloat16")
 ]  # fmt: skip
 
@@ -235,9 +258,8 @@ def test_chunked_prefill_and_radix_cache_give_the_same_bits(engine_runs, layout,
     """Every request of the plan equals the main engine's (chunking off, radix cache off)."""
     runs = engine_runs(layout)
     swept, main = runs[name], runs[f"main-{dtype}"]
-    counts = [_compare(a, b) for (_, a), (_, b) in zip(_answers(swept), _answers(main),
-                                                        strict=True)]  # fmt: skip
-    tok, n_tok, lp, n_lp = (sum(c[i] for c in counts) for i in range(4))
+    counts = _run_vs_run(swept, main)
+    tok, n_tok, lp, n_lp = _totals(counts)
     cached = [a["cached_tokens"] for a in swept["batches"][-1]]
     print(f"[{layout} {name}] vs main: tokens {tok}/{n_tok}, bits {lp}/{n_lp}, "
           f"cached prompt tokens of the shared-prefix batch {cached}")  # fmt: skip
@@ -257,10 +279,8 @@ def test_tp1_equals_tp2(engine_runs, tiny_checkpoint, layout, dtype):
     tp, ep = LAYOUTS[layout]
     # Where the contract allows it: check_tp raises for a TP whose sums are not exact.
     check_tp(tp, ep, cfg.num_attention_heads, cfg.head_dim, cfg.moe_intermediate_size)
-    a = _answers(engine_runs("tp1")[f"main-{dtype}"])
-    b = _answers(engine_runs(layout)[f"main-{dtype}"])
-    counts = [_compare(x, y) for (_, x), (_, y) in zip(a, b, strict=True)]
-    tok, n_tok, lp, n_lp = (sum(c[i] for c in counts) for i in range(4))
+    counts = _run_vs_run(engine_runs("tp1")[f"main-{dtype}"], engine_runs(layout)[f"main-{dtype}"])
+    tok, n_tok, lp, n_lp = _totals(counts)
     print(f"[tp1 vs {layout} {dtype}] tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
     assert (tok, lp) == (n_tok, n_lp), f"tp1 vs {layout} {dtype}: per request {counts}"
 
@@ -271,6 +291,38 @@ def test_stock_path_breaks_decode_equals_score(engine_runs, reference):
     bad, total, _ = _score_mismatches(engine_runs("tp1")["stock-bfloat16"], reference("bfloat16"))
     print(f"[tp1 bfloat16 stock] decode == score: {total - bad}/{total} tokens equal")
     assert bad > 0, f"the stock path matched the reference on all {total} log-probs"
+
+
+@pytest.mark.slow
+def test_stock_path_breaks_tp1_equals_tp2(engine_runs):
+    """The TP harness on the stock engines (TP1 vs TP2 EP2, bf16) must find differing bits."""
+    counts = _run_vs_run(
+        engine_runs("tp1")["stock-bfloat16"], engine_runs("tp2-ep2")["stock-bfloat16"]
+    )
+    tok, n_tok, lp, n_lp = _totals(counts)
+    print(f"[stock tp1 vs tp2-ep2 bfloat16] tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
+    assert lp < n_lp, f"the stock TP1 and TP2 EP2 engines agreed on all {n_lp} log-probs"
+
+
+@pytest.mark.slow
+def test_stock_path_breaks_batch_invariance(engine_runs):
+    """The batch-invariance harness on the stock engine must find differing bits."""
+    tok, n_tok, lp, n_lp = _totals(_alone_vs_cobatched(engine_runs("tp1")["stock-bfloat16"]))
+    print(f"[tp1 bfloat16 stock] alone vs co-batched: tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
+    assert lp < n_lp, f"the stock path was batch-invariant on all {n_lp} log-probs"
+
+
+@pytest.mark.slow
+def test_stock_path_breaks_chunk_and_cache_invariance(engine_runs):
+    """The chunk/radix harness on the stock engine (chunk 7, radix on vs both off) must fail."""
+    runs = engine_runs("tp1")
+    swept = runs["stock-chunk7-radix-bfloat16"]
+    tok, n_tok, lp, n_lp = _totals(_run_vs_run(swept, runs["stock-bfloat16"]))
+    cached = [a["cached_tokens"] for a in swept["batches"][-1]]
+    print(f"[tp1 bfloat16 stock chunk7-radix] vs stock main: tokens {tok}/{n_tok}, "
+          f"bits {lp}/{n_lp}, cached {cached}")  # fmt: skip
+    assert all(c >= len(PREFIX) for c in cached), f"radix cache not hit: {cached}"
+    assert lp < n_lp, f"the stock path gave the same bits chunked and cached on all {n_lp}"
 
 
 # --- refusals -----------------------------------------------------------------------------------
