@@ -2,6 +2,8 @@
 
     python -m onpolicy.bench.rollout [--prompts 8] [--new-tokens 32] [--reps 5] [--out FILE]
 
+`--out` writes the section HEADING of FILE (replaced on a re-run).
+
 Each engine (TP1, the tiny seeded Qwen3-MoE, bf16) runs in its own process
 (`onpolicy.parity_rollout`'s launch): one warm-up batch, then `--reps` timed batches of
 `--prompts` prompts x `--new-tokens` sampled tokens (EOS ignored, log-probs returned). The
@@ -21,6 +23,23 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+HEADING = "## Rollout throughput on CPU: exact vs stock engine"
+"""The section this benchmark owns in docs/benchmarks.md."""
+
+
+def write_section(path: Path, text: str) -> None:
+    """Put `text` (starting with HEADING) in place of the file's HEADING section, or at the end
+    when there is none: a re-run updates the section instead of adding another."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    if HEADING in lines:
+        start = lines.index(HEADING)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                   len(lines))  # fmt: skip
+        lines[start:end] = [*text.splitlines(), *([""] if end < len(lines) else [])]
+    else:
+        lines += ["", *text.splitlines()]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -66,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="generated tokens per prompt")
     ap.add_argument("--reps", type=int, default=5, help="timed batches (the median is kept)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out", help="append a dated markdown section to this file")
+    ap.add_argument("--out", help="write (or replace) this benchmark's section in this file")
     ap.add_argument("--measure", choices=["exact", "stock"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -98,11 +117,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.new_tokens} --reps {args.reps}` (`nox -s bench`): one SGLang engine at TP1 on the "
         f"tiny seeded Qwen3-MoE ({args.dtype}), {args.prompts} prompts x {args.new_tokens} sampled "
         f"tokens per batch (log-probs returned), the median of {args.reps} batches after a "
-        f"warm-up. torch {torch.__version__}, {os.cpu_count()} CPU cores, 1-minute load average "
-        f"{load:.1f} before the runs. The stock engine is the same engine without "
-        "`rl_on_policy_target` and with SGLang's torch_native attention."
+        f"warm-up; {time.strftime('%Y-%m-%d', time.gmtime())}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores, 1-minute load average {load:.1f} before the runs. The "
+        "stock engine is the same engine without `rl_on_policy_target` and with SGLang's "
+        "torch_native attention."
     )
-    head = f"## Rollout throughput on CPU, {time.strftime('%Y-%m-%d', time.gmtime())}\n\n"
+    head = f"{HEADING}\n\n"
     head += textwrap.fill(intro, width=96, break_on_hyphens=False, break_long_words=False)
     tail = (
         f'The exact engine (`rl_on_policy_target="onpolicy"`) runs {ratio:.2f}x the stock '
@@ -111,8 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     text = head + "\n\n" + "\n".join(rows) + "\n\n" + tail + "\n"
     print(text)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+        write_section(Path(args.out), text)
 
 
 if __name__ == "__main__":
