@@ -24,6 +24,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from onpolicy.bench import commit
+
 HEADING = "## Rollout throughput on CPU: exact vs stock engine"
 """The section this benchmark owns in docs/benchmarks.md."""
 
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         f"tiny seeded Qwen3-MoE ({args.dtype}), {args.prompts} prompts x {args.new_tokens} sampled "
         f"tokens per batch (log-probs returned), the median of {args.reps} batches after a "
         f"warm-up; {time.strftime('%Y-%m-%d', time.gmtime())}, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPU cores, 1-minute load average {load:.1f} before the runs. The "
+        f"{os.cpu_count()} CPU cores, the code of commit {commit()}, 1-minute load average "
+        f"{load:.1f} before the runs. The "
         "stock engine is the same engine without `rl_on_policy_target` and with SGLang's "
         "torch_native attention."
     )

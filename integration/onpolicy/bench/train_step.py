@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from onpolicy.bench import commit
+
 HEADING = "## Training step: exact vs local spec (CPU)"
 """The section of docs/benchmarks.md this benchmark owns."""
 LAYOUTS = {"world 1": (1, False), "TP2 + SP": (2, True)}
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                      (queue.get() for _ in range(2))]  # fmt: skip
     lead = (
         f"{datetime.date.today()}, {platform.machine()}, {_cpu()}, torch {torch.__version__}, "
-        f"gloo. `python -m onpolicy.bench.train_step`: one PPO-clip step "
+        f"gloo, the code of commit {commit()}. `python -m onpolicy.bench.train_step`: one "
+        "PPO-clip step "
         f"(`onpolicy.train.step.train_step`: forward, backward, finalize, distributed Adam) on "
         f"the tiny model, {args.seqs} sequences x {args.seq_len} tokens in "
         f"{args.micro_batches} micro-batches, bf16, one thread per rank, median of {args.reps} "
