@@ -6,9 +6,15 @@ generated, so the draw does not depend on the batch, the TP rank or the device. 
 log-prob is `kernels.token_logprobs` of logits / T in the model dtype: the function the
 reference's `score` uses, so decode == score holds bit for bit. Greedy requests (SGLang's
 top_k = 1) take the first argmax, with the log-prob at T = 1.
+
+`check_sampling_params` is that rule for one request: the tokenizer manager runs it at request
+validation (so a request outside it is refused before it reaches the scheduler) and the sampler
+runs it again per row.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.layers.sampler import Sampler
@@ -16,10 +22,51 @@ from sglang.srt.layers.sampler import Sampler
 from onpolicy import kernels as K
 from onpolicy.models import reference
 
+FULL = "the exact path samples from the full distribution (top_p 1, top_k -1, min_p 0)"
+"""What the reference's sampling rule allows: temperature only, or greedy (top_k 1)."""
 
-def _refuse(problem: str) -> None:
-    raise NotImplementedError(f"onpolicy sampler: {problem}; the exact path samples the full "
-                              "distribution (temperature only) or greedily")  # fmt: skip
+
+def _refuse(problem: str, why: str = FULL) -> None:
+    raise ValueError(f"onpolicy sampling: {problem}; {why}")
+
+
+class RowParams(NamedTuple):
+    """One batch row's truncation settings, as the sampler sees them."""
+
+    top_k: int
+    """SGLang's top_k: 1 is greedy, -1 or >= vocab_size the whole vocabulary."""
+    top_p: float
+    """Nucleus mass; only 1 is on the rule."""
+    min_p: float
+    """Minimum probability relative to the top token; only 0 is on the rule."""
+
+
+def check_sampling_params(
+    params: Any,
+    vocab_size: int,
+    *,
+    custom_logit_processor: Any = None,
+    return_sampling_mask: bool = False,
+    watermark: bool = False,
+) -> None:
+    """Raise ValueError naming the first setting outside the reference's sampling rule.
+
+    `params` is anything with top_k / top_p / min_p (SGLang's SamplingParams or a RowParams).
+    """
+    if watermark:
+        _refuse("watermark is on", "a watermark changes the sampled logits")
+    if custom_logit_processor:
+        _refuse("custom_logit_processor is set", "a logit processor changes the sampled logits")
+    if return_sampling_mask:
+        _refuse("return_sampling_mask is true", "the exact path keeps no sampling mask")
+    if params.top_k == 1:  # greedy: truncation never drops the argmax, so it changes nothing
+        return
+    if params.top_p != 1.0:
+        _refuse(f"top_p = {params.top_p}")
+    if params.min_p != 0.0:
+        _refuse(f"min_p = {params.min_p}")
+    if 0 < params.top_k < vocab_size:  # -1 (TOP_K_ALL after SGLang's parsing) is the full vocab
+        _refuse(f"top_k = {params.top_k}")
 
 
 class OnpolicySampler(Sampler):
@@ -32,10 +79,10 @@ class OnpolicySampler(Sampler):
         self.model_dtype = getattr(torch, get_server_args().dtype)
 
     def _check(self, sampling_info, logprob_logits) -> None:
-        if logprob_logits is not None or sampling_info.has_custom_logit_processor:
-            _refuse("watermarks and custom logit processors change the logits")
-        if sampling_info.sampling_mask_batch_indices is not None:
-            _refuse("return_sampling_mask is not supported")
+        check_sampling_params(RowParams(1, 1.0, 0.0), 1,
+                              custom_logit_processor=sampling_info.has_custom_logit_processor,
+                              return_sampling_mask=sampling_info.sampling_mask_batch_indices
+                              is not None, watermark=logprob_logits is not None)  # fmt: skip
         if sampling_info.prompt_lens is None or sampling_info.sampling_seed is None:
             raise RuntimeError("onpolicy sampler: the batch carries no seeds / prompt lengths "
                                "(is the sampling patch applied?)")  # fmt: skip
@@ -54,9 +101,8 @@ class OnpolicySampler(Sampler):
         steps = (positions.view(-1) + 1 - sampling_info.prompt_lens.view(-1)).tolist()
         tokens, lps, temps_used = [], [], []
         for i, row in enumerate(logits):
+            check_sampling_params(RowParams(top_ks[i], top_ps[i], min_ps[i]), vocab)
             greedy = top_ks[i] == 1
-            if not greedy and (top_ks[i] < vocab or top_ps[i] < 1.0 or min_ps[i] > 0.0):
-                _refuse(f"row {i} asks top_k={top_ks[i]}, top_p={top_ps[i]}, min_p={min_ps[i]}")
             req = reference.Request(
                 rid=0,
                 prompt=[],
