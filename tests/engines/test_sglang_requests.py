@@ -126,3 +126,28 @@ def test_check_sampling_params_names_each_setting():
     for name, value in flags.items():
         with pytest.raises(ValueError, match=f"onpolicy sampling: {name} is "):
             check_sampling_params(RowParams(-1, 1.0, 0.0), VOCAB, **{name: value})
+
+
+def test_check_sampling_params_refuses_logit_edits():
+    from types import SimpleNamespace
+
+    from onpolicy.rollout.sampler import check_sampling_params
+
+    neutral = {"top_k": -1, "top_p": 1.0, "min_p": 0.0, "frequency_penalty": 0.0,
+               "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
+               "logit_bias": None, "json_schema": None, "regex": None, "ebnf": None,
+               "structural_tag": None}  # fmt: skip
+    check_sampling_params(SimpleNamespace(**neutral), VOCAB)
+    cases = {"frequency_penalty = 0.5": {"frequency_penalty": 0.5},
+             "presence_penalty = 0.5": {"presence_penalty": 0.5},
+             "repetition_penalty = 1.1": {"repetition_penalty": 1.1},
+             "min_new_tokens = 4": {"min_new_tokens": 4},
+             "logit_bias = ": {"logit_bias": {"3": 1.0}},
+             "regex is set": {"regex": "a+"},
+             "json_schema is set": {"json_schema": "{}"}}  # fmt: skip
+    for what, edit in cases.items():
+        for top_k in (-1, 1):  # greedy too: an edit can move the argmax
+            params = SimpleNamespace(**(neutral | {"top_k": top_k} | edit))
+            with pytest.raises(ValueError, match=f"onpolicy sampling: {what}") as e:
+                check_sampling_params(params, VOCAB)
+            assert "edits the logits" in str(e.value)

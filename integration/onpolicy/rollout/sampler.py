@@ -26,6 +26,15 @@ FULL = "the exact path samples from the full distribution (top_p 1, top_k -1, mi
 """What the reference's sampling rule allows: temperature only, or greedy (top_k 1)."""
 
 
+LOGIT_NEUTRAL: dict[str, float] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+}  # fmt: skip
+"""Sampling settings that edit the logits, at the value that leaves them unchanged."""
+GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""Constrained-decoding settings: each masks the logits by a grammar."""
+
+
 def _refuse(problem: str, why: str = FULL) -> None:
     raise ValueError(f"onpolicy sampling: {problem}; {why}")
 
@@ -51,7 +60,8 @@ def check_sampling_params(
 ) -> None:
     """Raise ValueError naming the first setting outside the reference's sampling rule.
 
-    `params` is anything with top_k / top_p / min_p (SGLang's SamplingParams or a RowParams).
+    `params` is anything with top_k / top_p / min_p (SGLang's SamplingParams or a RowParams);
+    the logit edits (penalties, min_new_tokens, logit_bias, grammars) are read where present.
     """
     if watermark:
         _refuse("watermark is on", "a watermark changes the sampled logits")
@@ -59,6 +69,18 @@ def check_sampling_params(
         _refuse("custom_logit_processor is set", "a logit processor changes the sampled logits")
     if return_sampling_mask:
         _refuse("return_sampling_mask is true", "the exact path keeps no sampling mask")
+    # These edit the logits before sampling (greedy included), so the returned log-prob would no
+    # longer be the model's log_softmax(logits / T) that the trainer scores.
+    edits = "it edits the logits before sampling, so the log-prob would not be the model's"
+    for name, neutral in LOGIT_NEUTRAL.items():
+        value = getattr(params, name, neutral)
+        if value != neutral:
+            _refuse(f"{name} = {value}", f"{edits} (only {name} = {neutral} is on the rule)")
+    if getattr(params, "logit_bias", None):
+        _refuse(f"logit_bias = {params.logit_bias}", edits)
+    for name in GRAMMARS:
+        if getattr(params, name, None):
+            _refuse(f"{name} is set", f"a grammar masks the logits; {edits}")
     if params.top_k == 1:  # greedy: truncation never drops the argmax, so it changes nothing
         return
     if params.top_p != 1.0:
