@@ -15,9 +15,11 @@ Launches are the cost (tens of seconds each on 2 cores), so they are shared:
   the TP2 one) also has the radix cache on, with requests that share a prompt prefix or
   continue an earlier request's generated tokens (the cache then holds decode-made keys);
 - the negative controls: the stock engine (torch_native attention, SGLang's own ops), TP1
-  bf16, with chunking and the cache off, and with chunk 7 and the cache on, and TP2 EP2 bf16;
+  fp32, with chunking and the cache off, and with chunk 7 and the cache on, and TP2 EP2 fp32;
   the same harnesses (decode == score, alone vs co-batched, chunked/cached vs not, TP1 vs TP2)
-  must find differing bits there.
+  must find differing bits there. Decode == score holds each sampled sequence to its own score;
+  the engine-vs-engine controls run the plan greedily (the stock sampler ignores the seed) and
+  compare the two runs' common token prefix, where only the ops differ.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ SHARED = {
 }
 BATCHES = [*ALONE, COBATCH, SHARED]
 """batches 0-4: each request alone; 5: all co-batched; 6: shared prefixes and a continuation."""
+GREEDY = [{"requests": [{**r, "temperature": 0.0} for r in b["requests"]]} for b in BATCHES]
+"""BATCHES at temperature 0, for the stock controls: the stock sampler ignores `sampling_seed`,
+so two stock engines sample other tokens; greedy, they pick the same ones until a logit's bits
+flip an argmax, and the log-probs (log_softmax of the logits) of that common prefix differ
+only by the ops."""
+STOCK_DTYPE = "float32"
+"""The stock engines' dtype: in bf16 SGLang's CPU ops gave every greedy log-prob of this plan
+the same bits alone and co-batched (0 of 50 differ), so that control could not break there."""
+MIN_COMPARED = 0.5
+"""A stock control must compare at least this share of its tokens (the common greedy prefix)."""
 
 
 def _runs(layout: str) -> list[dict]:
@@ -86,11 +98,15 @@ def _runs(layout: str) -> list[dict]:
             runs += [spec(f"chunk7-{d}", d, chunked_prefill_size=7),
                      spec(f"chunk64-radix-{d}", d, chunked_prefill_size=64,
                           disable_radix_cache=False)]  # fmt: skip
-        runs.append({**spec("stock-bfloat16", "bfloat16"), "stock": True})
-        runs.append({**spec("stock-chunk7-radix-bfloat16", "bfloat16", chunked_prefill_size=7,
-                            disable_radix_cache=False), "stock": True})  # fmt: skip
+        # sampled batches for decode == score (each sequence against its own score), greedy
+        # ones for the engine-vs-engine controls
+        runs.append({**spec("stock", STOCK_DTYPE), "greedy": GREEDY, "stock": True})
+        runs.append({**spec("stock-chunk7-radix", STOCK_DTYPE, chunked_prefill_size=7,
+                            disable_radix_cache=False), "batches": [], "greedy": GREEDY,
+                     "stock": True})  # fmt: skip
     if layout == "tp2-ep2":
-        runs.append({**spec("stock-bfloat16", "bfloat16"), "stock": True})
+        runs.append({**spec("stock", STOCK_DTYPE), "batches": [], "greedy": GREEDY,
+                     "stock": True})  # fmt: skip
     if layout == "tp2":
         runs.append(spec("chunk7-radix-bfloat16", "bfloat16", chunked_prefill_size=7,
                          disable_radix_cache=False))  # fmt: skip
@@ -235,6 +251,33 @@ def _totals(counts) -> tuple[int, int, int, int]:
     return tuple(sum(c[i] for c in counts) for i in range(4))
 
 
+def _greedy_prefixes(a: list[list[dict]], b: list[list[dict]]) -> tuple[int, int, int]:
+    """(log-probs differing, compared, tokens) of two stock engines' greedy answers to the same
+    requests, compared only where the two contexts are the same: the same prompt (a
+    continuation's prompt holds earlier sampled tokens) and the tokens before the first that
+    differs, so only the ops can make their bits differ."""
+    bad = compared = tokens = 0
+    for x, y in zip((t for batch in a for t in batch), (t for batch in b for t in batch),
+                    strict=True):  # fmt: skip
+        tokens += len(x["output_ids"])
+        if x["prompt"] != y["prompt"]:
+            continue
+        same = [p == q for p, q in zip(x["output_ids"], y["output_ids"], strict=True)]
+        n = same.index(False) if False in same else len(same)
+        bad, compared = bad + n_differ(_bits(x)[:n], _bits(y)[:n]), compared + n
+    return bad, compared, tokens
+
+
+def _assert_control_breaks(what: str, bad: int, compared: int, tokens: int) -> None:
+    print(f"[stock {STOCK_DTYPE} {what}] greedy common prefix: {compared}/{tokens} compared, "
+          f"{bad} log-probs differ")  # fmt: skip
+    assert compared >= MIN_COMPARED * tokens, (
+        f"{what}: only {compared}/{tokens} tokens in the common greedy prefix "
+        f"(need {MIN_COMPARED:.0%}); the control compares too little"
+    )
+    assert bad > 0, f"{what}: the stock engines agreed on all {compared} compared log-probs"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, dtype", CASES)
 def test_batch_invariance(engine_runs, layout, dtype):
@@ -288,41 +331,38 @@ def test_tp1_equals_tp2(engine_runs, tiny_checkpoint, layout, dtype):
 @pytest.mark.slow
 def test_stock_path_breaks_decode_equals_score(engine_runs, reference):
     """The same plan and the same comparison on SGLang's own ops must fail it."""
-    bad, total, _ = _score_mismatches(engine_runs("tp1")["stock-bfloat16"], reference("bfloat16"))
-    print(f"[tp1 bfloat16 stock] decode == score: {total - bad}/{total} tokens equal")
+    bad, total, _ = _score_mismatches(engine_runs("tp1")["stock"], reference(STOCK_DTYPE))
+    print(f"[tp1 {STOCK_DTYPE} stock] decode == score: {total - bad}/{total} tokens equal")
     assert bad > 0, f"the stock path matched the reference on all {total} log-probs"
 
 
 @pytest.mark.slow
 def test_stock_path_breaks_tp1_equals_tp2(engine_runs):
-    """The TP harness on the stock engines (TP1 vs TP2 EP2, bf16) must find differing bits."""
-    counts = _run_vs_run(
-        engine_runs("tp1")["stock-bfloat16"], engine_runs("tp2-ep2")["stock-bfloat16"]
-    )
-    tok, n_tok, lp, n_lp = _totals(counts)
-    print(f"[stock tp1 vs tp2-ep2 bfloat16] tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
-    assert lp < n_lp, f"the stock TP1 and TP2 EP2 engines agreed on all {n_lp} log-probs"
+    """The TP harness on the stock engines (TP1 vs TP2 EP2, greedy) must find differing bits."""
+    a, b = engine_runs("tp1")["stock"], engine_runs("tp2-ep2")["stock"]
+    _assert_control_breaks("tp1 vs tp2-ep2", *_greedy_prefixes(a["greedy"], b["greedy"]))
 
 
 @pytest.mark.slow
 def test_stock_path_breaks_batch_invariance(engine_runs):
-    """The batch-invariance harness on the stock engine must find differing bits."""
-    tok, n_tok, lp, n_lp = _totals(_alone_vs_cobatched(engine_runs("tp1")["stock-bfloat16"]))
-    print(f"[tp1 bfloat16 stock] alone vs co-batched: tokens {tok}/{n_tok}, bits {lp}/{n_lp}")
-    assert lp < n_lp, f"the stock path was batch-invariant on all {n_lp} log-probs"
+    """The batch-invariance harness on the stock engine (greedy) must find differing bits."""
+    greedy = engine_runs("tp1")["stock"]["greedy"]
+    alone, together = [b[0] for b in greedy[: len(REQUESTS)]], greedy[len(REQUESTS)]
+    _assert_control_breaks("tp1 alone vs co-batched",
+                           *_greedy_prefixes([alone], [together]))  # fmt: skip
 
 
 @pytest.mark.slow
 def test_stock_path_breaks_chunk_and_cache_invariance(engine_runs):
-    """The chunk/radix harness on the stock engine (chunk 7, radix on vs both off) must fail."""
+    """The chunk/radix harness on the stock engine (chunk 7, radix on vs both off, greedy) must
+    fail."""
     runs = engine_runs("tp1")
-    swept = runs["stock-chunk7-radix-bfloat16"]
-    tok, n_tok, lp, n_lp = _totals(_run_vs_run(swept, runs["stock-bfloat16"]))
-    cached = [a["cached_tokens"] for a in swept["batches"][-1]]
-    print(f"[tp1 bfloat16 stock chunk7-radix] vs stock main: tokens {tok}/{n_tok}, "
-          f"bits {lp}/{n_lp}, cached {cached}")  # fmt: skip
+    swept = runs["stock-chunk7-radix"]["greedy"]
+    cached = [a["cached_tokens"] for a in swept[-1]]
+    print(f"[tp1 stock chunk7-radix] cached prompt tokens of the shared batch {cached}")
     assert all(c >= len(PREFIX) for c in cached), f"radix cache not hit: {cached}"
-    assert lp < n_lp, f"the stock path gave the same bits chunked and cached on all {n_lp}"
+    _assert_control_breaks("tp1 chunk7-radix vs main",
+                           *_greedy_prefixes(swept, runs["stock"]["greedy"]))  # fmt: skip
 
 
 # --- refusals -----------------------------------------------------------------------------------

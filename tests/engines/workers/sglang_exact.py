@@ -3,7 +3,8 @@ answered and written as JSON.
 
 The plan (JSON) lists engine runs (arguments and generate calls, started one after the other in
 this process); each call is a batch of requests (token ids, temperature, seed, new tokens),
-answered by one `generate`; the worker records tokens and the float32 bits of every sampled
+answered by one `generate`; a run holds its batches under `batches` and, optionally, a second
+list under `greedy`; the worker records tokens and the float32 bits of every sampled
 log-prob. A plan with `refuse` instead starts engines that must be refused, recording the errors.
 """
 
@@ -17,6 +18,10 @@ import sys
 import time
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+PLANS = ("batches", "greedy")
+"""The lists of batches a run spec may hold, answered in this order by the same engine."""
 
 
 def f32_bits(x: float) -> int:
@@ -88,11 +93,11 @@ def run(ckpt: str, spec: dict) -> dict:
         args["attention_backend"] = "torch_native"
     t0 = time.monotonic()
     engine = sgl.Engine(**args)
-    try:
-        batches = run_batches(engine, spec["batches"])
+    try:  # each plan resolves its `extend_of` against its own batches
+        plans = {key: run_batches(engine, spec[key]) for key in PLANS if key in spec}
     finally:
         engine.shutdown()
-    return {"batches": batches, "seconds": time.monotonic() - t0, "sglang": sgl.__file__}
+    return {**plans, "seconds": time.monotonic() - t0, "sglang": sgl.__file__}
 
 
 def main(args: argparse.Namespace) -> None:
