@@ -7,7 +7,7 @@ nox -s build                 install torch CPU, patched megatron-core, patched s
 nox -s build -- --gpu        the same with the CUDA dependency set (GPU hosts)
 nox -s patches               apply both patch series into build/upstream/ and check them
 nox -s lint                  pre-commit: ruff, ruff-format, patch check
-nox -s bench                 benchmarks (collective bytes per rank), recorded in docs/benchmarks.md
+nox -s bench                 CPU benchmarks: collectives, train step, rollout (docs/benchmarks.md)
 nox -s bench -- --gpu        the exact kernels vs cuBLAS/SDPA and the full-size check (CUDA host)
 nox -s parity                SGLang samples, Megatron scores: log-probs bitwise per layout pair
 nox -s e2e                   the GRPO loop (not built yet; see README)
@@ -126,9 +126,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11", default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not timed tests), recorded in docs/benchmarks.md: bytes per rank of the exact
-    collectives and the training-step time of the exact vs the local spec; with `-- --gpu` (a
-    CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch and the full-size prefill == decode
-    check instead."""
+    collectives, the training-step time of the exact vs the local spec and the rollout tokens/s
+    of the exact vs the stock engine; with `-- --gpu` (a CUDA host) the exact kernels vs
+    cuBLAS/SDPA/plain torch and the full-size prefill == decode check instead."""
     if "--gpu" in session.posargs:
         args = [a for a in session.posargs if a != "--gpu"]
         session.install("torch", "triton", "numpy", "safetensors")
