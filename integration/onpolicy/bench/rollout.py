@@ -24,24 +24,10 @@ import textwrap
 import time
 from pathlib import Path
 
-from onpolicy.bench import commit
+from onpolicy.bench import commit, write_section
 
 HEADING = "## Rollout throughput on CPU: exact vs stock engine"
 """The section this benchmark owns in docs/benchmarks.md."""
-
-
-def write_section(path: Path, text: str) -> None:
-    """Put `text` (starting with HEADING) in place of the file's HEADING section, or at the end
-    when there is none: a re-run updates the section instead of adding another."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    if HEADING in lines:
-        start = lines.index(HEADING)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))  # fmt: skip
-        lines[start:end] = [*text.splitlines(), *([""] if end < len(lines) else [])]
-    else:
-        lines += ["", *text.splitlines()]
-    path.write_text("\n".join(lines) + "\n")
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -134,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     text = head + "\n\n" + "\n".join(rows) + "\n\n" + tail + "\n"
     print(text)
     if args.out:
-        write_section(Path(args.out), text)
+        write_section(Path(args.out), HEADING, text)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from onpolicy.bench import commit
+from onpolicy.bench import commit, write_section
 
 HEADING = "## Training step: exact vs local spec (CPU)"
 """The section of docs/benchmarks.md this benchmark owns."""
@@ -236,21 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                       textwrap.fill(spread, width=100)])  # fmt: skip
     print(text)
     if args.out:
-        write_section(Path(args.out), text)
-
-
-def write_section(path: Path, text: str) -> None:
-    """Put `text` (starting with HEADING) in place of the file's HEADING section, or at the end
-    when there is none, so that a re-run updates the section instead of adding another."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    if HEADING in lines:
-        start = lines.index(HEADING)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))  # fmt: skip
-        lines[start:end] = [*text.splitlines(), *([""] if end < len(lines) else [])]
-    else:
-        lines += ["", *text.splitlines()]
-    path.write_text("\n".join(lines) + "\n")
+        write_section(Path(args.out), HEADING, text)
 
 
 def _cpu() -> str:
