@@ -1,0 +1,280 @@
+"""One SGLang engine in its own process, driven over a local authenticated socket.
+
+The engine cannot live in the trainer's process: `Engine.shutdown()` kills every descendant of
+the process that made it, and `SGLANG_USE_CPU_ENGINE` must be set before sglang is imported.
+`python -m onpolicy.rollout.host` starts the engine, listens on 127.0.0.1 with an authkey
+(`multiprocessing.connection`), writes its address file last, and serves one client at a time:
+generate, the weight-update session and its transports, the weight report. `EngineClient` is
+the other end; a request can be sent and its reply collected later, which is how a trainer
+broadcasts while the engine receives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+KEY_ENV = "ONPOLICY_HOST_KEY"
+"""The authkey (hex) the host and its clients share; only the host's starter knows it."""
+
+
+class EngineError(RuntimeError):
+    """An engine refused a request, or its process died."""
+
+
+# --- the host -------------------------------------------------------------------------------
+class _Host:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from onpolicy.parity_rollout import launch
+
+        self.args = args
+        self.engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock)
+        self.run = self.engine.loop.run_until_complete
+        self.tm = self.engine.tokenizer_manager
+
+    def info(self) -> dict:
+        return {"tp": self.args.tp, "ep": self.args.ep, "pid": os.getpid(),
+                "weight_version": self.engine.get_model_info()["weight_version"]}  # fmt: skip
+
+    def generate(self, request: dict) -> list[dict]:
+        from onpolicy.parity_rollout import RolloutRequest, sample
+
+        return sample(self.engine, RolloutRequest(**request))
+
+    def begin_weight_update(self):
+        return self.engine.begin_weight_update()
+
+    def end_weight_update(self):
+        return self.engine.end_weight_update()
+
+    def init_weights_update_group(self, **kw):
+        return self.engine.init_weights_update_group(**kw)
+
+    def destroy_weights_update_group(self, group_name: str):
+        return self.engine.destroy_weights_update_group(group_name)
+
+    def update_weights_from_distributed(self, **kw):
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        return self.run(self.tm.update_weights_from_distributed(
+            UpdateWeightsFromDistributedReqInput(**kw), None))  # fmt: skip
+
+    def update_weights_from_tensor(self, **kw):
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        return self.run(self.tm.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(**kw), None))  # fmt: skip
+
+    def report_weights(self) -> list[list[dict]]:
+        """Every TP rank's `onpolicy.rollout.weights.report`, in rank order."""
+        with tempfile.TemporaryDirectory(prefix="onpolicy-report-") as d:
+            self.engine.collective_rpc("onpolicy_report_weights", path=d)
+            return [json.loads((Path(d) / f"rank{r}.json").read_text())
+                    for r in range(self.args.tp)]  # fmt: skip
+
+    def serve(self, listener: Listener) -> None:
+        while True:
+            conn = listener.accept()
+            try:
+                while True:
+                    try:
+                        op, kw = conn.recv()
+                    except EOFError:
+                        break
+                    if op == "shutdown":
+                        conn.send(("ok", None))
+                        return
+                    try:
+                        conn.send(("ok", getattr(self, op)(**kw)))
+                    except Exception as e:  # the reply names it; the engine keeps serving
+                        conn.send(("error", f"{type(e).__name__}: {e}"))
+            finally:
+                conn.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m onpolicy.rollout.host", description=__doc__)
+    ap.add_argument("--ckpt", required=True, help="HF checkpoint the engine starts from")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--stock", action="store_true", help="SGLang's stock CPU path")
+    ap.add_argument("--address-file", required=True, help="written once the engine serves")
+    args = ap.parse_args(argv)
+    key = bytes.fromhex(os.environ.pop(KEY_ENV))
+    host = _Host(args)
+    try:
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            out = Path(args.address_file)
+            tmp = out.with_name(out.name + ".tmp")
+            addr = {"host": "127.0.0.1", "port": listener.address[1], "pid": os.getpid(),
+                    "tp": args.tp, "ep": args.ep}  # fmt: skip
+            tmp.write_text(json.dumps(addr))
+            os.replace(tmp, out)
+            host.serve(listener)
+    finally:
+        host.engine.shutdown()
+
+
+# --- starting a host ------------------------------------------------------------------------
+@dataclass
+class EngineHost:
+    """A started host process; clients `connect()` to it, one at a time."""
+
+    name: str
+    """A label for messages (e.g. "engine1")."""
+    proc: subprocess.Popen
+    """The host process."""
+    address_file: Path
+    """Where it wrote its address."""
+    key: str
+    """The authkey (hex)."""
+    log: Path
+    """Its stdout and stderr."""
+
+    @classmethod
+    def start(cls, name: str, ckpt: str | os.PathLike, workdir: str | os.PathLike, *, tp: int = 1,
+              ep: int = 1, dtype: str = "bfloat16", exact: bool = True) -> EngineHost:  # fmt: skip
+        """Start a host for an engine on `ckpt`; `wait()` for it to serve."""
+        from onpolicy.parity_rollout import engine_env
+
+        work = Path(workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        addr, log = work / f"{name}.address.json", work / f"{name}.log"
+        addr.unlink(missing_ok=True)
+        key = secrets.token_hex(16)
+        env = engine_env(tp, work / "cache", clean_env())
+        env[KEY_ENV] = key
+        cmd = [sys.executable, "-m", "onpolicy.rollout.host", "--ckpt", str(ckpt), "--tp", str(tp),
+               "--ep", str(ep), "--dtype", dtype, "--address-file", str(addr)]  # fmt: skip
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd + ([] if exact else ["--stock"]), env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return cls(name=name, proc=proc, address_file=addr, key=key, log=log)
+
+    def wait(self, timeout: float = 900.0) -> EngineHost:
+        """Block until the engine serves; EngineError naming the log if it died first."""
+        deadline = time.monotonic() + timeout
+        while not self.address_file.exists():
+            if self.proc.poll() is not None:
+                raise EngineError(f"{self.name}: the engine host exited with "
+                                  f"{self.proc.returncode} while starting; see {self.log}:\n"
+                                  f"{_tail(self.log)}")  # fmt: skip
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise EngineError(f"{self.name}: the engine did not start within {timeout:.0f} s; "
+                                  f"see {self.log}")  # fmt: skip
+            time.sleep(0.5)
+        return self
+
+    def connect(self) -> EngineClient:
+        client = EngineClient.connect(self.name, self.wait().address_file, self.key)
+        client.proc, client.log = self.proc, self.log
+        return client
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """Shut the engine down (it frees its scheduler processes), killing it if it hangs."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            c = self.connect()
+            c.send("shutdown")
+            c.result(timeout)
+            c.conn.close()
+            self.proc.wait(timeout=timeout)
+        except (EngineError, OSError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+# --- the client -----------------------------------------------------------------------------
+@dataclass
+class EngineClient:
+    """A connection to one engine host."""
+
+    name: str
+    """A label for messages (e.g. "engine 1")."""
+    tp: int
+    """The engine's TP size (its ranks in a weight-update group)."""
+    ep: int
+    """The engine's EP size."""
+    conn: Connection
+    """The authenticated socket."""
+    proc: subprocess.Popen | None = None
+    """The host process, when this process started it (its death is then seen at once)."""
+    log: Path | None = None
+    """The host's log, named in errors."""
+    pending: list[str] = field(default_factory=list)
+    """Ops sent whose replies are not collected yet, oldest first."""
+
+    @classmethod
+    def connect(cls, name: str, address_file: str | os.PathLike, key: str) -> EngineClient:
+        """Connect to a running host by its address file."""
+        a = json.loads(Path(address_file).read_text())
+        conn = Client((a["host"], a["port"]), authkey=bytes.fromhex(key))
+        return cls(name=name, tp=a["tp"], ep=a["ep"], conn=conn)
+
+    def send(self, op: str, **kw) -> None:
+        """Send a request; collect its reply with `result()`."""
+        try:
+            self.conn.send((op, kw))
+        except (BrokenPipeError, ConnectionResetError, EOFError) as e:
+            raise self._died(op) from e
+        self.pending.append(op)
+
+    def result(self, timeout: float = 900.0):
+        """The oldest pending request's value; EngineError if it failed or the engine died."""
+        op = self.pending.pop(0)
+        deadline = time.monotonic() + timeout
+        try:
+            while not self.conn.poll(1.0):
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise self._died(op)
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{self.name}: no reply to {op} within {timeout:.0f} s")
+            status, value = self.conn.recv()
+        except (EOFError, ConnectionResetError, BrokenPipeError) as e:
+            raise self._died(op) from e
+        if status != "ok":
+            raise EngineError(f"{self.name}: {op} failed: {value}")
+        return value
+
+    def call(self, op: str, timeout: float = 900.0, **kw):
+        """Send a request and wait for its value."""
+        self.send(op, **kw)
+        return self.result(timeout)
+
+    def _died(self, op: str) -> EngineError:
+        where = f"; see {self.log}:\n{_tail(self.log)}" if self.log else ""
+        return EngineError(f"{self.name}: the engine process died during {op}{where}")
+
+    def close(self) -> None:
+        """Disconnect; the host serves the next client."""
+        self.conn.close()
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without torchrun's rendezvous variables, which an engine must not see."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE"}  # fmt: skip
+    return {k: v for k, v in os.environ.items()
+            if k not in drop and not k.startswith("TORCHELASTIC_")}  # fmt: skip
+
+
+def _tail(log: Path | None, n: int = 20) -> str:
+    if log is None or not log.exists():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+
+
+if __name__ == "__main__":
+    main()
