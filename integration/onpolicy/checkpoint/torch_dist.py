@@ -1,0 +1,482 @@
+"""Megatron torch-dist checkpoints of the trainer: atomic saves, resharding loads, checked inputs.
+
+A checkpoint root holds one folder per saved iteration and a tracker:
+
+    ROOT/iter_0000002/        megatron-core's `dist_checkpointing` (torch_dist) files:
+                              __{rank}_{i}.distcp, .metadata, metadata.json
+                              + onpolicy-checkpoint.json (MANIFEST): model config, dtype,
+                              layout, iteration, optimizer, source HF folder
+    ROOT/latest               the newest complete iteration, written last
+
+Every rank writes into `ROOT/.iter_{N:07d}.tmp`; only when megatron-core's save has returned
+on every rank does rank 0 add the manifest, rename the folder to `iter_{N:07d}` and then
+replace `latest`. A writer killed at any point leaves the previous iterations and `latest` as
+they were; the next save of N removes the stale `.tmp`. megatron-core's own save writes its
+shards in place and overwrites silently, so it is only ever pointed at a fresh folder.
+
+Model weights reshard to any layout that divides the model: the saved tensors are global
+(layers stacked, experts by global id), and each rank reads its slice. Optimizer state is
+saved `fully_reshardable` (the DistributedOptimizer's canonical, layout-free form), but it
+still cannot cross between layouts with a different number of chained sub-optimizers:
+megatron-core builds a separate expert optimizer exactly when EP > 1 or ETP != TP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onpolicy.checkpoint.hf import CheckpointError
+from onpolicy.layout import ParallelLayout
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+
+FORMAT_VERSION = 1
+"""Version of the manifest's schema; a checkpoint of another version is refused."""
+MANIFEST = "onpolicy-checkpoint.json"
+"""The onpolicy manifest inside an iteration folder."""
+TRACKER = "latest"
+"""The file in the root naming the newest complete iteration."""
+SHARDING = "fully_reshardable"
+"""The DistributedOptimizer's layout-free state format; the only one a layout change can read."""
+SHARDED_METADATA = {
+    "distrib_optim_sharding_type": SHARDING,
+    "singleton_local_shards": False,
+    # Optimizer tensors keyed by the model's names, not by sub-optimizer index.
+    "chained_optim_avoid_prefix": True,
+}
+"""The `metadata` of every sharded state dict, as Megatron-LM's training loop passes it."""
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+LAYOUT_KEYS = ("world", "tp", "pp", "ep", "etp", "sp", "cp")
+MODEL_FIELDS_IGNORED = ("torch_dtype",)
+"""Config fields that do not change the model: the stored dtype is checked on its own."""
+
+
+def refuse(rule: str, file: str | os.PathLike, problem: str, fix: str) -> CheckpointError:
+    """A CheckpointError naming the file, the rule, the values, and what to do."""
+    return CheckpointError(rule, file, f"{problem}; fix: {fix}")
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """The folder of a complete iteration."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def _tmp_dir(root: Path, iteration: int) -> Path:
+    return root / f".iter_{iteration:07d}.tmp"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise refuse("dtype", "", f"dtype {dtype} has no checkpoint name", f"use one of {list(DTYPES)}")
+
+
+def config_sha256(config_json: dict) -> str:
+    """sha256 of the config as canonical JSON (sorted keys)."""
+    return hashlib.sha256(json.dumps(config_json, sort_keys=True).encode()).hexdigest()
+
+
+def layout_dict(layout: ParallelLayout) -> dict[str, Any]:
+    return {k: getattr(layout, k) for k in LAYOUT_KEYS}
+
+
+def layout_name(degrees: dict[str, Any]) -> str:
+    """world8-tp2-pp2-ep2-etp1-sp, as the parity pairs spell layouts."""
+    parts = [f"world{degrees['world']}"]
+    parts += [f"{k}{degrees[k]}" for k in ("tp", "pp", "ep", "etp")]
+    return "-".join(parts + (["sp"] if degrees.get("sp") else []))
+
+
+def expert_sub_optimizer(layout: ParallelLayout | dict[str, Any]) -> bool:
+    """Whether megatron-core builds a separate expert optimizer at this layout: expert params
+    are not all-reduced with the others when EP > 1 or ETP != TP (tensor_parallel/layers.py)."""
+    d = layout_dict(layout) if isinstance(layout, ParallelLayout) else layout
+    return d["ep"] > 1 or d["etp"] != d["tp"]
+
+
+def check_layout(
+    cfg: Qwen3MoeConfig, layout: ParallelLayout, where: str | os.PathLike = ""
+) -> None:
+    """Refuse a layout that does not divide the model or the world, before any rank builds.
+
+    `where` names the checkpoint (or config) the refusal is about."""
+    tpc = layout.tp * layout.pp * layout.cp
+    if layout.world % tpc:
+        raise refuse(
+            "layout_divides_world",
+            where,
+            f"world {layout.world} is not a multiple of tp x pp x cp = {tpc}",
+            "make the world a multiple of tp x pp x cp",
+        )
+    if (layout.tp * layout.cp * layout.dp) % (layout.ep * layout.etp):
+        raise refuse(
+            "layout_divides_world",
+            where,
+            f"a stage's tp x cp x dp = {layout.tp * layout.cp * layout.dp} ranks do not split "
+            f"into etp x ep = {layout.etp} x {layout.ep} expert groups",
+            "choose ep x etp dividing tp x dp",
+        )
+    shards = [
+        ("num_hidden_layers", cfg.num_hidden_layers, "pp", layout.pp),
+        ("num_experts", cfg.num_experts, "ep", layout.ep),
+        ("num_attention_heads", cfg.num_attention_heads, "tp", layout.tp),
+        ("num_key_value_heads", cfg.num_key_value_heads, "tp", layout.tp),
+        ("vocab_size", cfg.vocab_size, "tp", layout.tp),
+        ("moe_intermediate_size", cfg.moe_intermediate_size, "etp", layout.etp),
+    ]
+    for field, value, degree, n in shards:
+        if value % n:
+            raise refuse(
+                "layout_divides_model",
+                where,
+                f"{field} = {value} does not divide over {degree} = {n} "
+                f"(layout {layout_name(layout_dict(layout))})",
+                f"choose {degree} dividing {value}",
+            )
+    if layout.tp > 1 and not layout.sp:
+        raise refuse(
+            "layout_divides_model",
+            where,
+            f"tp = {layout.tp} without sequence parallel: megatron-core's MoE layers need SP "
+            "when TP > 1",
+            "set sp = true",
+        )
+
+
+def _unwrap(model: torch.nn.Module | list | tuple) -> torch.nn.Module:
+    """The GPTModel under Megatron DDP (whose own sharded_state_dict would prefix `module.`)."""
+    if isinstance(model, list | tuple):
+        if len(model) != 1:
+            raise refuse(
+                "single_model_chunk",
+                "",
+                f"{len(model)} model chunks (virtual pipeline stages)",
+                "save and load one chunk per rank",
+            )
+        model = model[0]
+    from megatron.core.distributed import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _optimizer_info(optimizer: Any) -> dict[str, Any]:
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return {
+        "sharding_type": SHARDING,
+        "sub_optimizers": len(subs),
+        "distributed": all(isinstance(s, DistributedOptimizer) for s in subs),
+    }
+
+
+def _optimizer_stepped(optimizer: Any) -> bool:
+    """Every rank's inner torch optimizers hold state (Adam's moments exist after a step)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    mine = torch.tensor([int(all(len(s.optimizer.state) > 0 for s in subs))])
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    return bool(mine.item())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _agree(error: CheckpointError | None) -> None:
+    """Rank 0's verdict on every rank: raise the same CheckpointError everywhere, or go on."""
+    box = [None if error is None else (error.rule, str(error.file), error.detail, error.tensor)]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(*box[0])
+
+
+def read_tracker(root: Path) -> int | None:
+    """The iteration `latest` names, or None when there is none."""
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise refuse("tracker", tracker, f"it holds {text!r}, not an iteration number",
+                     "write the newest complete iteration's number into it")  # fmt: skip
+    return int(text)
+
+
+def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0, after every rank's shards are on disk: manifest, rename, then the tracker."""
+    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    tracker_tmp = final.parent / f".{TRACKER}.tmp"
+    _write_synced(tracker_tmp, f"{manifest['iteration']}\n")
+    os.replace(tracker_tmp, final.parent / TRACKER)
+    _fsync_dir(final.parent)
+
+
+def save(
+    root: str | os.PathLike,
+    model: Any,
+    *,
+    optimizer: Any = None,
+    iteration: int,
+    cfg: Qwen3MoeConfig,
+    layout: ParallelLayout,
+    dtype: torch.dtype,
+    source_hf: str | os.PathLike | None = None,
+    config_json: dict | None = None,
+) -> Path:
+    """Save `model` (and `optimizer`) as iteration `iteration` of `root`; every rank calls it.
+
+    `config_json` is the HF config.json to record (default `cfg.to_hf()`, or the source HF
+    folder's own when `source_hf` has one). An existing iteration is refused, never
+    overwritten. Returns the iteration folder.
+    """
+    from megatron.core import dist_checkpointing
+
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise refuse("iteration", root, f"iteration {iteration!r}", "pass a non-negative integer")
+    root = Path(root).resolve()
+    final, tmp = iteration_dir(root, iteration), _tmp_dir(root, iteration)
+    error = None
+    if dist.get_rank() == 0:
+        if final.exists():
+            error = refuse(
+                "iteration_exists",
+                final,
+                "already exists; a saved iteration is never overwritten",
+                "save another iteration, or into another root",
+            )
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a writer killed before the rename
+            tmp.mkdir()
+    _agree(error)
+    if optimizer is not None and not _optimizer_stepped(optimizer):
+        raise refuse("optimizer_state", root, "the optimizer has taken no step, so it has no "
+                     "state to save", "save the model only (optimizer=None)")  # fmt: skip
+    gpt = _unwrap(model)
+    sd: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=SHARDED_METADATA)}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            sd["model"], is_loading=False, metadata=SHARDED_METADATA
+        )
+    dist_checkpointing.save(sd, str(tmp))
+    error = None
+    if dist.get_rank() == 0:
+        if config_json is None:
+            src = Path(source_hf) / "config.json" if source_hf else None
+            config_json = json.loads(src.read_text()) if src and src.is_file() else cfg.to_hf()
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "model_config": config_json,
+            "config_sha256": config_sha256(config_json),
+            "dtype": dtype_name(dtype),
+            "layout": layout_dict(layout),
+            "has_optimizer": optimizer is not None,
+            "optimizer": _optimizer_info(optimizer) if optimizer is not None else None,
+            "source_hf": str(Path(source_hf).resolve()) if source_hf else None,
+        }
+        try:
+            _publish(tmp, final, manifest)
+        except OSError as e:
+            error = CheckpointError("publish", final, f"could not publish the save: {e}")
+    _agree(error)
+    dist.barrier()
+    return final
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The iteration folder that `path` names: itself, or its root's `latest`."""
+    p = Path(path).resolve()
+    if p.name.startswith(".") and p.name.endswith(".tmp"):
+        raise refuse(
+            "not_a_checkpoint",
+            p,
+            "is an unfinished save (a .tmp folder is renamed to iter_N only when complete)",
+            f"load the root {p.parent} or one of its iter_N folders",
+        )
+    if not p.is_dir():
+        raise refuse("not_a_checkpoint", p, "does not exist", "pass a checkpoint root or iter_N")
+    if (p / MANIFEST).is_file():
+        return p
+    it = read_tracker(p)
+    if it is None:
+        iters = sorted(q.name for q in p.glob("iter_*") if q.is_dir())
+        raise refuse(
+            "not_a_checkpoint",
+            p,
+            f"has neither {MANIFEST} (an iteration folder) nor a `{TRACKER}` file (a root)"
+            + (f"; it holds {iters}" if iters else ""),
+            "pass a root written by onpolicy.checkpoint.torch_dist.save or one of its iter_N",
+        )
+    it_dir = iteration_dir(p, it)
+    if not (it_dir / MANIFEST).is_file():
+        raise refuse("not_a_checkpoint", p / TRACKER, f"names iteration {it}, but {it_dir} "
+                     f"has no {MANIFEST}", "pass an existing iter_N folder")  # fmt: skip
+    return it_dir
+
+
+def read_manifest(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """(iteration folder, manifest) of a complete checkpoint; refuse anything else."""
+    it_dir = resolve(path)
+    try:
+        manifest = json.loads((it_dir / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise refuse("manifest", it_dir / MANIFEST, f"not valid JSON: {e}",
+                     "restore the file from the writer") from e  # fmt: skip
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise refuse("manifest", it_dir / MANIFEST,
+                     f"format_version {version!r}, this reader knows {FORMAT_VERSION}",
+                     "read it with the onpolicy version that wrote it")  # fmt: skip
+    for name in ("metadata.json", ".metadata"):
+        if not (it_dir / name).is_file():
+            raise refuse(
+                "not_a_checkpoint",
+                it_dir,
+                f"has no {name}: megatron-core's save did not complete there",
+                "load an earlier iteration (its root's `latest`)",
+            )
+    config = manifest.get("model_config")
+    if not isinstance(config, dict) or config_sha256(config) != manifest.get("config_sha256"):
+        raise refuse("manifest", it_dir / MANIFEST, "model_config does not match its "
+                     "config_sha256", "restore the file from the writer")  # fmt: skip
+    return it_dir, manifest
+
+
+def manifest_config(manifest: dict[str, Any]) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig.from_hf(manifest["model_config"])
+
+
+def check_compatible(
+    it_dir: Path, manifest: dict[str, Any], cfg: Qwen3MoeConfig, layout: ParallelLayout,
+    dtype: torch.dtype, *, optimizer: dict[str, Any] | None,
+) -> None:  # fmt: skip
+    """Refuse loading this checkpoint into the run: model, dtype, layout, optimizer.
+
+    `optimizer` is what the run's optimizer is (`sub_optimizers`, `distributed`), None for a
+    model-only load.
+    """
+    saved = manifest_config(manifest)
+    for f in fields(Qwen3MoeConfig):
+        if f.name in MODEL_FIELDS_IGNORED:
+            continue
+        a, b = getattr(saved, f.name), getattr(cfg, f.name)
+        if a != b:
+            raise refuse(
+                "model_config",
+                it_dir,
+                f"the checkpoint's {f.name} = {a!r}, the run's model has {f.name} = {b!r}",
+                "load it into the model it was saved from (the run config's [model])",
+            )
+    want = dtype_name(dtype)
+    if manifest["dtype"] != want:
+        raise refuse("dtype", it_dir, f"saved in {manifest['dtype']}, the run's model is {want}",
+                     f"set model.dtype = {manifest['dtype']!r}")  # fmt: skip
+    check_layout(cfg, layout, it_dir)
+    if optimizer is None:
+        return
+    if not manifest.get("has_optimizer"):
+        raise refuse("optimizer_saved", it_dir, "holds the model only; the optimizer "
+                     "state was requested", "load the model only (optimizer=None)")  # fmt: skip
+    saved_opt = manifest["optimizer"]
+    here, there = layout_dict(layout), manifest["layout"]
+    if saved_opt["sharding_type"] != SHARDING and here != there:
+        raise refuse(
+            "optimizer_reshardable",
+            it_dir,
+            f"optimizer state saved {saved_opt['sharding_type']!r} at "
+            f"{layout_name(there)}, which reads back at that layout only, not at "
+            f"{layout_name(here)}",
+            "load at the saving layout, or load the model only",
+        )
+    if saved_opt["sub_optimizers"] != optimizer["sub_optimizers"]:
+        raise refuse(
+            "optimizer_layout",
+            it_dir,
+            f"the optimizer was saved at {layout_name(there)} as "
+            f"{saved_opt['sub_optimizers']} chained optimizer(s), the run at "
+            f"{layout_name(here)} has {optimizer['sub_optimizers']}: megatron-core keeps the "
+            "experts' state in a separate optimizer exactly when EP > 1 or ETP != TP, so its "
+            "state cannot cross between EP = 1 and EP > 1",
+            "load the model only (and start the optimizer afresh), or load at a layout with "
+            + ("EP > 1" if saved_opt["sub_optimizers"] > 1 else "EP = 1 and ETP = TP"),
+        )
+    if saved_opt["distributed"] != optimizer["distributed"]:
+        kind = {True: "distributed", False: "non-distributed"}
+        raise refuse(
+            "optimizer_kind",
+            it_dir,
+            f"a {kind[saved_opt['distributed']]} optimizer's state, the run has a "
+            f"{kind[optimizer['distributed']]} one",
+            "build the same kind of optimizer, or load the model only",
+        )
+
+
+def load(
+    path: str | os.PathLike,
+    model: Any,
+    *,
+    optimizer: Any = None,
+    cfg: Qwen3MoeConfig,
+    layout: ParallelLayout,
+) -> dict[str, Any]:
+    """Load a checkpoint (a root's `latest`, or an iter_N folder) into this rank's `model` (and
+    `optimizer`) at `layout`; every rank calls it. Returns the manifest."""
+    from megatron.core import dist_checkpointing
+
+    gpt = _unwrap(model)
+    it_dir, manifest, error = None, None, None
+    if dist.get_rank() == 0:
+        try:
+            it_dir, manifest = read_manifest(path)
+            opt = _optimizer_info(optimizer) if optimizer is not None else None
+            check_compatible(it_dir, manifest, cfg, layout, gpt.config.params_dtype,
+                             optimizer=opt)  # fmt: skip
+        except CheckpointError as e:
+            error = e
+    _agree(error)
+    box = [str(it_dir), manifest]
+    dist.broadcast_object_list(box, src=0)
+    it_dir, manifest = Path(box[0]), box[1]
+    sd: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=SHARDED_METADATA)}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            sd["model"], is_loading=True, metadata=SHARDED_METADATA
+        )
+    loaded = dist_checkpointing.load(sd, str(it_dir))
+    gpt.load_state_dict(loaded["model"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    dist.barrier()
+    return manifest
