@@ -1,6 +1,7 @@
 """The `onpolicy` command. Subcommands: `upstream` (the patch-series tool), `validate` (the
 contract check of a run config, printing the resolved plan), `parity` (SGLang samples, Megatron
-scores the same tokens; prints equal / compared log-probs per layout pair)."""
+scores the same tokens; prints equal / compared log-probs per layout pair), `convert` (HF <->
+Megatron torch-dist checkpoints, and resharding between layouts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from pathlib import Path
 USAGE = (
     "usage: onpolicy upstream {fetch,apply,export,check,rebase,status} ...\n"
     "       onpolicy validate --config FILE [--set KEY=VALUE ...] [--json]\n"
-    "       onpolicy parity --config FILE [--set KEY=VALUE ...] [--pairs ROLLOUT:TRAINING ...]"
+    "       onpolicy parity --config FILE [--set KEY=VALUE ...] [--pairs ROLLOUT:TRAINING ...]\n"
+    "       onpolicy convert hf-to-dist --hf DIR --config FILE [--set KEY=VALUE ...] --out ROOT\n"
+    "                        [--iteration N]\n"
+    "       onpolicy convert dist-to-hf --ckpt ROOT_OR_ITER --out DIR\n"
+    "       onpolicy convert reshard --ckpt ROOT_OR_ITER --config FILE [--set KEY=VALUE ...]\n"
+    "                        --out ROOT [--iteration N] [--model-only]"
 )
 
 
@@ -118,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         return validate_main(argv[1:])
     if argv[0] == "parity":
         return parity_main(argv[1:])
-    print(f"onpolicy: unknown command {argv[0]!r} (known: upstream, validate, parity)",
+    if argv[0] == "convert":
+        from onpolicy.checkpoint.convert import main as convert_main
+
+        return convert_main(argv[1:])
+    print(f"onpolicy: unknown command {argv[0]!r} (known: upstream, validate, parity, convert)",
           file=sys.stderr)  # fmt: skip
     return 2
 
