@@ -268,6 +268,12 @@ def read_hf_checkpoint(
     return HFCheckpoint(path, cfg, config_json, {k: tensors[k] for k in order})
 
 
+def read_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, its header and data offsets checked first."""
+    file = Path(file)
+    return _load(_read_header(file))
+
+
 def _load(specs: dict[str, _Spec]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -296,46 +302,56 @@ def _load(specs: dict[str, _Spec]) -> dict[str, torch.Tensor]:
 
 
 def _disagreements(cfg: Qwen3MoeConfig, specs: dict[str, _Spec]) -> list[tuple[str, str]]:
-    """config.json fields the tensors contradict, as (evidence tensor, message)."""
+    """config.json fields the tensors contradict, as (evidence tensor, message).
+
+    A field is blamed only when every tensor that shows it agrees on one other value, so a
+    single malformed tensor is reported as itself, not as a config mismatch.
+    """
     found: list[tuple[str, str]] = []
 
-    def differ(field: str, held: int | None, what: str, tensor: str) -> None:
+    def held(pattern: str, dim: int) -> tuple[int | None, str]:
+        """The one size of `dim` over the tensors matching `pattern`, and one such tensor."""
+        names = [k for k in specs if re.fullmatch(pattern, k)]
+        sizes = {specs[k].shape[dim] if len(specs[k].shape) > dim else -1 for k in names}
+        return (sizes.pop() if len(sizes) == 1 else None), (names[0] if names else pattern)
+
+    def differ(field: str, value: int | None, what: str, tensor: str) -> None:
         want = getattr(cfg, field)
-        if held is not None and held != want:
-            found.append((tensor, f"config.json {field}={want} but the tensors hold {held} {what}"))
+        if value is not None and value > 0 and value != want:
+            found.append(
+                (tensor, f"config.json {field}={want} but the tensors hold {value} {what}")
+            )
 
-    def dim(name: str, i: int) -> int | None:
-        s = specs.get(name)
-        return s.shape[i] if s is not None and len(s.shape) > i else None
-
-    def indices(pattern: str) -> set[int]:
-        return {int(m[1]) for k in specs if (m := re.match(pattern, k))}
-
-    layers = indices(r"model\.layers\.(\d+)\.")
-    experts = indices(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
-    layer_ex = "model.layers.{N}.*"
-    differ("num_hidden_layers", max(layers) + 1 if layers else None, "layers", layer_ex)
-    expert_ex = "model.layers.0.mlp.experts.{E}.*"
-    differ("num_experts", max(experts) + 1 if experts else None, "experts", expert_ex)
-    embed, p = "model.embed_tokens.weight", "model.layers.0"
-    differ("vocab_size", dim(embed, 0), "vocabulary rows", embed)
-    differ("hidden_size", dim(embed, 1), "columns (hidden size)", embed)
-    gate = f"{p}.mlp.experts.0.gate_proj.weight"
-    differ("moe_intermediate_size", dim(gate, 0), "rows (expert width)", gate)
-    q_norm = f"{p}.self_attn.q_norm.weight"
-    head_dim = dim(q_norm, 0)
-    differ("head_dim", head_dim, "elements (head dim)", q_norm)
+    layer = r"model\.layers\.(\d+)\..*"
+    layers = {int(m[1]) for k in specs if (m := re.fullmatch(layer, k))}
+    if layers and layers == set(range(max(layers) + 1)):
+        differ("num_hidden_layers", len(layers), "layers", "model.layers.{N}.*")
+    per_layer: dict[int, set[int]] = {}
+    for k in specs:
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\..*", k):
+            per_layer.setdefault(int(m[1]), set()).add(int(m[2]))
+    counts = {len(e) if e == set(range(max(e) + 1)) else -1 for e in per_layer.values()}
+    if len(counts) == 1:
+        differ("num_experts", counts.pop(), "experts", "model.layers.{N}.mlp.experts.{E}.*")
+    vocab, vocab_t = held(r"model\.embed_tokens\.weight|lm_head\.weight", 0)
+    differ("vocab_size", vocab, "vocabulary rows", vocab_t)
+    norms = r"model\.norm\.weight|model\.layers\.\d+\.(input|post_attention)_layernorm\.weight"
+    hidden, hidden_t = held(norms, 0)
+    differ("hidden_size", hidden, "elements in every norm (hidden size)", hidden_t)
+    width, width_t = held(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up)_proj\.weight", 0)
+    differ("moe_intermediate_size", width, "rows in every expert gate/up", width_t)
+    head_dim, qk = held(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight", 0)
+    differ("head_dim", head_dim, "elements in every q/k norm (head dim)", qk)
     if head_dim:
-        q, k = f"{p}.self_attn.q_proj.weight", f"{p}.self_attn.k_proj.weight"
-        q_rows, k_rows = dim(q, 0), dim(k, 0)
-        differ("num_attention_heads", q_rows // head_dim if q_rows else None, "query heads", q)
-        differ("num_key_value_heads", k_rows // head_dim if k_rows else None, "kv heads", k)
+        q_rows, q = held(r"model\.layers\.\d+\.self_attn\.q_proj\.weight", 0)
+        k_rows, k = held(r"model\.layers\.\d+\.self_attn\.[kv]_proj\.weight", 0)
+        if q_rows and q_rows % head_dim == 0:
+            differ("num_attention_heads", q_rows // head_dim, "query heads", q)
+        if k_rows and k_rows % head_dim == 0:
+            differ("num_key_value_heads", k_rows // head_dim, "key/value heads", k)
     if cfg.tie_word_embeddings and "lm_head.weight" in specs:
         found.append(("lm_head.weight", "config.json tie_word_embeddings=True but the tensors "
                       "hold a separate lm_head.weight"))  # fmt: skip
-    if not cfg.tie_word_embeddings and "lm_head.weight" not in specs and embed in specs:
-        found.append(("lm_head.weight", "config.json tie_word_embeddings=False but the tensors "
-                      "hold no lm_head.weight"))  # fmt: skip
     return found
 
 
@@ -427,7 +443,7 @@ def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _remove_stale(parent: Path, name: str) -> None:
     """Remove temporaries of `name` whose writer process is gone (killed mid-write)."""
-    for tmp in parent.glob(f".{name}.tmp-*"):
+    for tmp in parent.iterdir():
         m = re.fullmatch(rf"\.{re.escape(name)}\.tmp-(\d+)-[A-Za-z0-9_]+", tmp.name)
         if not m or not tmp.is_dir():
             continue

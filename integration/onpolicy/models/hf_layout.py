@@ -49,15 +49,24 @@ def hf_tensor_shapes(cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in an HF checkpoint folder."""
-    from safetensors.torch import load_file
+    """All tensors of the *.safetensors files in an HF checkpoint folder.
+
+    Each file's header is checked before its data is read, and a tensor stored in two files is
+    refused (`onpolicy.checkpoint.hf.CheckpointError`); `read_hf_checkpoint` checks the rest.
+    """
+    from onpolicy.checkpoint.hf import CheckpointError, read_safetensors
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     sd: dict[str, torch.Tensor] = {}
+    seen: dict[str, Path] = {}
     for f in files:
-        sd.update(load_file(f))
+        for name, t in read_safetensors(f).items():
+            if name in seen:
+                raise CheckpointError("hf_index", f, f"is also stored in {seen[name].name}", name)
+            seen[name] = f
+            sd[name] = t
     return sd
 
 
