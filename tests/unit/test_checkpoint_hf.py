@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -469,3 +470,27 @@ def test_a_killed_writer_leaves_nothing_complete_and_the_next_write_cleans_up(pr
     back = read_hf_checkpoint(fresh).tensors
     assert all(bitwise_equal(back[k], t) for k, t in ck.tensors.items())
     assert digests(neighbour) == before
+
+
+def test_a_missing_source_is_refused_before_anything_is_written(pristine, tmp_path):
+    ck = read_hf_checkpoint(pristine)
+    with pytest.raises(CheckpointError, match=r"nowhere.*rule hf_source"):
+        write_hf_checkpoint(
+            tmp_path / "out", ck.config_json, ck.tensors, source=tmp_path / "nowhere"
+        )
+    assert list(tmp_path.iterdir()) == []
+    link = tmp_path / "link"
+    link.symlink_to(pristine, target_is_directory=True)
+    with pytest.raises(CheckpointError, match=r"a symlink.*rule hf_out_exists"):
+        write_hf_checkpoint(link, ck.config_json, ck.tensors)
+    write_hf_checkpoint(tmp_path / "out", ck.config_json, ck.tensors, source=link)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        pristine / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_the_error_keeps_its_fields_across_processes(ckpt):
+    (ckpt / "config.json").write_text("{")
+    err = refused(ckpt, "hf_config", "config.json")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.rule, back.file, back.tensor, str(back)) == (err.rule, err.file, None, str(err))

@@ -52,6 +52,9 @@ class CheckpointError(ValueError):
         what = f"tensor {tensor}: " if tensor else ""
         super().__init__(f"{file}: {what}{detail} [rule {rule}]")
 
+    def __reduce__(self):  # picklable across processes with its fields, not just the message
+        return (CheckpointError, (self.rule, str(self.file), self.detail, self.tensor))
+
 
 @dataclass(frozen=True)
 class HFCheckpoint:
@@ -228,7 +231,7 @@ def _config_of(config_json: object, file: Path) -> tuple[Qwen3MoeConfig, torch.d
         raise CheckpointError("hf_config", file, "config.json must hold a JSON object")
     try:
         cfg = Qwen3MoeConfig.from_hf(config_json)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise CheckpointError("hf_config", file, f"not a supported qwen3_moe config: {e}") from None
     dtype = getattr(torch, cfg.torch_dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -464,12 +467,11 @@ def _refuse_existing(out: Path) -> None:
         if any(out.iterdir()):
             raise CheckpointError("hf_out_exists", out, "exists and is not empty; not overwritten")
         return
-    raise CheckpointError("hf_out_exists", out, "exists and is not a directory; not overwritten")
+    what = "a symlink" if out.is_symlink() else "not a directory"
+    raise CheckpointError("hf_out_exists", out, f"exists and is {what}; not overwritten")
 
 
 def _copy_source(source: Path, tmp: Path) -> None:
-    if not source.is_dir():
-        raise CheckpointError("hf_source", source, "source is not a checkpoint directory")
     for f in sorted(source.iterdir()):
         name = f.name
         if (not f.is_file() or name.startswith(".") or name == "config.json"
@@ -502,12 +504,20 @@ def write_hf_checkpoint(
         raise CheckpointError("hf_tensor_type", out, f"is a {type(tensors[bad[0]])}", bad[0])
     specs = {k: _Spec(t.dtype, tuple(t.shape), out) for k, t in tensors.items()}
     _check_specs(cfg, specs, cfg_dtype, True, out)
+    if source is not None and not Path(source).is_dir():
+        raise CheckpointError("hf_source", source, "source is not a checkpoint directory")
+    try:
+        config_text = json.dumps(config_json, indent=2) + "\n"
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            "hf_config", out / "config.json", f"not JSON-serialisable: {e}"
+        ) from None
     _refuse_existing(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out.parent, out.name)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
     try:
-        _write_into(tmp, config_json, tensors, source, max_shard_bytes)
+        _write_into(tmp, config_text, tensors, source, max_shard_bytes)
         _refuse_existing(out)
         try:
             os.rename(tmp, out)  # replaces only an empty folder; never a user's files
@@ -524,11 +534,11 @@ def write_hf_checkpoint(
     return out
 
 
-def _write_into(tmp: Path, config_json: dict, tensors: dict[str, torch.Tensor],
+def _write_into(tmp: Path, config_text: str, tensors: dict[str, torch.Tensor],
                 source: str | os.PathLike | None, max_shard_bytes: int) -> None:  # fmt: skip
     from safetensors.torch import save_file
 
-    (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    (tmp / "config.json").write_text(config_text)
     _fsync(tmp / "config.json")
     shards = _shards(tensors, max_shard_bytes)
     n = len(shards)
