@@ -10,6 +10,7 @@ nox -s lint                  pre-commit: ruff, ruff-format, patch check
 nox -s bench                 CPU benchmarks: collectives, train step, rollout (docs/benchmarks.md)
 nox -s bench -- --gpu        the exact kernels vs cuBLAS/SDPA and the full-size check (CUDA host)
 nox -s parity                SGLang samples, Megatron scores: log-probs bitwise per layout pair
+nox -s convert -- ...        `onpolicy convert`: HF <-> Megatron torch-dist checkpoints, reshard
 nox -s e2e                   the GRPO loop (not built yet; see README)
 """
 
@@ -156,6 +157,15 @@ def parity(session: nox.Session) -> None:
     args = session.posargs or ["--config", str(ROOT / "configs/tiny-cpu.toml")]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     session.run("onpolicy", "parity", *args, env=env)
+
+
+@nox.session(python="3.11", default=False)
+def convert(session: nox.Session) -> None:
+    """`onpolicy convert`: HF <-> Megatron torch-dist checkpoints and resharding
+    (`-- hf-to-dist|dist-to-hf|reshard ...`; `-- --help` lists them)."""
+    _install(session)
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    session.run("onpolicy", "convert", *(session.posargs or ["--help"]), env=env)
 
 
 @nox.session(python="3.11", default=False)
