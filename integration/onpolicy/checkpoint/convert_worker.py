@@ -13,15 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from onpolicy.checkpoint import torch_dist
-from onpolicy.checkpoint.hf import CheckpointError, read_hf_checkpoint, write_hf_checkpoint
-from onpolicy.checkpoint.hf_megatron import hf_to_megatron, megatron_to_hf
-from onpolicy.contract.errors import ContractError
-from onpolicy.layout import ParallelLayout
-from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+# Only the standard library at module level: megatron-core's save starts a spawn Manager that
+# re-imports this module as __mp_main__ on every rank, and torch alone takes seconds to import.
+# `main` imports the rest.
 
 REFUSED = "refused.txt"
 """Where a rank writes the refusal it exits 2 with, beside the job file."""
@@ -87,7 +81,22 @@ def reshard(job: dict[str, Any], layout: ParallelLayout) -> None:
 MODES = {"hf-to-dist": hf_to_dist, "dist-to-hf": dist_to_hf, "reshard": reshard}
 
 
+def _import() -> None:
+    global torch, dist, torch_dist, CheckpointError, read_hf_checkpoint, write_hf_checkpoint
+    global hf_to_megatron, megatron_to_hf, ContractError, ParallelLayout, Qwen3MoeConfig
+    import torch
+    import torch.distributed as dist
+
+    from onpolicy.checkpoint import torch_dist
+    from onpolicy.checkpoint.hf import CheckpointError, read_hf_checkpoint, write_hf_checkpoint
+    from onpolicy.checkpoint.hf_megatron import hf_to_megatron, megatron_to_hf
+    from onpolicy.contract.errors import ContractError
+    from onpolicy.layout import ParallelLayout
+    from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+
+
 def main(job_file: str) -> int:
+    _import()
     job = json.loads(Path(job_file).read_text())
     dist.init_process_group("gloo")
     layout = ParallelLayout(**job["layout"])

@@ -262,6 +262,9 @@ def save(
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
         raise refuse("iteration", root, f"iteration {iteration!r}", "pass a non-negative integer")
     root = Path(root).resolve()
+    if optimizer is not None and not _optimizer_stepped(optimizer):
+        raise refuse("optimizer_state", root, "the optimizer has taken no step, so it has no "
+                     "state to save", "save the model only (optimizer=None)")  # fmt: skip
     final, tmp = iteration_dir(root, iteration), _tmp_dir(root, iteration)
     error = None
     if dist.get_rank() == 0:
@@ -277,9 +280,6 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)  # a writer killed before the rename
             tmp.mkdir()
     _agree(error)
-    if optimizer is not None and not _optimizer_stepped(optimizer):
-        raise refuse("optimizer_state", root, "the optimizer has taken no step, so it has no "
-                     "state to save", "save the model only (optimizer=None)")  # fmt: skip
     gpt = _unwrap(model)
     sd: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=SHARDED_METADATA)}
     if optimizer is not None:
@@ -480,3 +480,18 @@ def load(
         optimizer.load_state_dict(loaded["optimizer"])
     dist.barrier()
     return manifest
+
+
+def global_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every global tensor of a checkpoint (model and optimizer, layers stacked), read in one
+    process without a process group: for inspecting and comparing checkpoints."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    it_dir, _ = read_manifest(path)
+    with tempfile.TemporaryDirectory(prefix="onpolicy-dcp-") as tmp:
+        out = Path(tmp) / "state.pt"
+        dcp_to_torch_save(str(it_dir), str(out))
+        state = torch.load(out, weights_only=False)  # written just now, from our own checkpoint
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
