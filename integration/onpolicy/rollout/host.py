@@ -143,15 +143,17 @@ class EngineHost:
 
     @classmethod
     def start(cls, name: str, ckpt: str | os.PathLike, workdir: str | os.PathLike, *, tp: int = 1,
-              ep: int = 1, dtype: str = "bfloat16", exact: bool = True) -> EngineHost:  # fmt: skip
-        """Start a host for an engine on `ckpt`; `wait()` for it to serve."""
+              ep: int = 1, dtype: str = "bfloat16", exact: bool = True,
+              key: str | None = None) -> EngineHost:  # fmt: skip
+        """Start a host for an engine on `ckpt`; `wait()` for it to serve. `key`: the authkey
+        (hex) to share with this host's clients; a fresh one by default."""
         from onpolicy.parity_rollout import engine_env
 
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
         addr, log = work / f"{name}.address.json", work / f"{name}.log"
         addr.unlink(missing_ok=True)
-        key = secrets.token_hex(16)
+        key = key or secrets.token_hex(16)
         env = engine_env(tp, work / "cache", clean_env())
         env[KEY_ENV] = key
         cmd = [sys.executable, "-m", "onpolicy.rollout.host", "--ckpt", str(ckpt), "--tp", str(tp),

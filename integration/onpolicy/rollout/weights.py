@@ -20,6 +20,8 @@ import torch
 
 Box = list[list[int]]
 """Per dim of the HF tensor, [start, stop)."""
+PADDING = "(padding)"
+"""The HF name reported for padding SGLang adds to a buffer: it must hold zeros."""
 
 
 def digest(t: torch.Tensor) -> str:
@@ -65,7 +67,11 @@ def held_boxes(model: torch.nn.Module) -> list[tuple[str, str, Box, torch.Tensor
             k = w.shape[1]
             out.append((name, name, [[0, w.shape[0]], [rank * k, (rank + 1) * k]], w))
         elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
-            out.extend(_expert_boxes(name, owner, w))
+            # SGLang's CPU path pads the width to an alignment and keeps the checkpoint's.
+            c = model.config
+            inter = getattr(c, "original_moe_intermediate_size", c.moe_intermediate_size)
+            inter //= owner.moe_tp_size
+            out.extend(_expert_boxes(name, owner, w, inter))
         elif leaf in ("gate", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
                       "norm"):  # fmt: skip
             out.append((name, name, [[0, s] for s in w.shape], w))
@@ -74,29 +80,38 @@ def held_boxes(model: torch.nn.Module) -> list[tuple[str, str, Box, torch.Tensor
     return out
 
 
-def _expert_boxes(name: str, moe: torch.nn.Module, w: torch.Tensor):
+def _expert_boxes(name: str, moe: torch.nn.Module, w: torch.Tensor, inter: int):
     """FusedMoE's [local expert, rows, cols] stacks: expert ep_rank * n_local + j, and the
-    moe_tp_rank-th slice of its intermediate dim (w13: [gate; up] rows, w2: columns)."""
+    moe_tp_rank-th slice (`inter` wide) of its intermediate dim (w13: [gate; up] rows, w2:
+    columns). SGLang may pad each half beyond `inter`; the padding is reported on its own, as
+    it takes part in the expert GEMMs and must hold zeros."""
     base = name.rsplit("experts.", 1)[0] + "experts."
     n_local, first = moe.num_local_experts, moe.moe_ep_rank * moe.num_local_experts
     r = moe.moe_tp_rank
     for j in range(n_local):
         e = f"{base}{first + j}."
         if name.endswith("w13_weight"):
-            inter, cols = w.shape[1] // 2, w.shape[2]
+            half, cols = w.shape[1] // 2, w.shape[2]
             box = _rows(r * inter, (r + 1) * inter, cols)
             yield name, e + "gate_proj.weight", box, w[j, :inter]
-            yield name, e + "up_proj.weight", box, w[j, inter:]
+            yield name, e + "up_proj.weight", box, w[j, half : half + inter]
+            pads = [w[j, inter:half], w[j, half + inter :]]
         else:
-            inter = w.shape[2]
             box = [[0, w.shape[1]], [r * inter, (r + 1) * inter]]
-            yield name, e + "down_proj.weight", box, w[j]
+            yield name, e + "down_proj.weight", box, w[j, :, :inter]
+            pads = [w[j, :, inter:]]
+        for pad in pads:
+            if pad.numel():
+                yield name, PADDING, [[0, s] for s in pad.shape], pad
 
 
 def report(model: torch.nn.Module) -> list[dict]:
-    """This rank's entries: {param, name (HF, "" if none), box, dtype, sha256}."""
-    return [{"param": p, "name": hf, "box": box, "dtype": str(t.dtype).removeprefix("torch."),
-             "sha256": digest(t)} for p, hf, box, t in held_boxes(model)]  # fmt: skip
+    """This rank's entries: {param, name (HF, "" if none), box, shape, dtype, sha256}; shape
+    is what the rank holds for the box, so a box that does not fit is seen as such."""
+    return [{"param": p, "name": hf, "box": box, "shape": list(t.shape),
+             "dtype": str(t.dtype).removeprefix("torch."), "sha256": digest(t),
+             "zero": bool((t == 0).all()) if hf == PADDING else None}
+            for p, hf, box, t in held_boxes(model)]  # fmt: skip
 
 
 def write_report(model: torch.nn.Module, path: str, tp_rank: int) -> None:

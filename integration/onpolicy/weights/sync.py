@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from onpolicy.rollout.host import EngineClient
-from onpolicy.rollout.weights import digest
+from onpolicy.rollout.weights import PADDING, digest
 from onpolicy.weights.gather import Gatherer
 
 TRANSPORTS = ("distributed", "tensor")
@@ -196,6 +196,12 @@ class WeightSync:
                 ranks = e.call("report_weights", timeout=self.config.timeout_s)
                 for r, entries in enumerate(ranks):
                     for x in entries:
+                        if x["name"] == PADDING:
+                            report.boxes += 1
+                            if not x["zero"]:
+                                report.mismatches.append(f"{e.name} rank {r}: {x['param']} has "
+                                                         "padding that is not zero")  # fmt: skip
+                            continue
                         if not x["name"]:
                             report.mismatches.append(f"{e.name} rank {r}: parameter {x['param']} "
                                                      "maps to no HF tensor, so no sync reaches "
@@ -216,7 +222,11 @@ class WeightSync:
                 report.boxes += 1
                 part = t[tuple(slice(a, b) for a, b in x["box"])]
                 dtype = str(t.dtype).removeprefix("torch.")
-                if x["dtype"] != dtype:
+                if x["shape"] != list(part.shape):
+                    report.mismatches.append(f"{en} rank {r}: {name} box {x['box']} holds "
+                                             f"shape {x['shape']}, the box is "
+                                             f"{list(part.shape)}")  # fmt: skip
+                elif x["dtype"] != dtype:
                     report.mismatches.append(f"{en} rank {r}: {name} held as {x['dtype']}, the "
                                              f"trainer's is {dtype}")  # fmt: skip
                 elif x["sha256"] != digest(part):
