@@ -128,8 +128,9 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (not timed tests), recorded in docs/benchmarks.md: bytes per rank of the exact
     collectives, the training-step time of the exact vs the local spec, the rollout tokens/s
-    of the exact vs the stock engine and the time and bytes of a weight sync; with `-- --gpu` (a CUDA host) the exact kernels vs
-    cuBLAS/SDPA/plain torch and the full-size prefill == decode check instead."""
+    of the exact vs the stock engine and the time and bytes of a weight sync; with `-- --gpu`
+    (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch and the full-size prefill ==
+    decode check instead."""
     if "--gpu" in session.posargs:
         args = [a for a in session.posargs if a != "--gpu"]
         session.install("torch", "triton", "numpy", "safetensors")
