@@ -16,9 +16,11 @@ patched megatron-core, gloo/CPU, tiny Qwen3-MoE in bf16.
   optimizer load is refused by rule, the model-only load gives the trained weights.
 - A writer SIGKILLed after its shards are on disk leaves the previous iteration loadable with
   its bits and `latest` unchanged; the next save of that iteration succeeds.
+- `onpolicy convert reshard` of the training checkpoint to world 2 EP2 keeps every tensor's
+  bits, the optimizer's included.
 
-Launches: two CLI jobs (world 8, world 1), three worker jobs (world 8, world 8, world 1) and the
-killed one (world 1); each launch checks several things.
+Launches: three CLI jobs (world 8, world 1, world 2), three worker jobs (world 8, world 8,
+world 1) and the killed one (world 1); each launch checks several things.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ CONFIG = REPO / "configs" / "tiny-cpu.toml"
 SAVE = ParallelLayout(world=8, tp=2, pp=2, ep=2, sp=True)
 OTHER = ParallelLayout(world=8, tp=1, pp=2, ep=4)
 WORLD1 = ParallelLayout(world=1)
+EP2 = ParallelLayout(world=2, ep=2)
+"""`onpolicy convert reshard` target: TP2 -> 1 and PP2 -> 1, EP > 1 on both sides."""
 LENGTHS = [23, 5, 40, 2, 17, 12]
 """Mixed lengths; packed into several THD micro-batches of 64 tokens."""
 
@@ -114,6 +118,9 @@ def work(tmp_path_factory, tiny_checkpoint, torchrun) -> dict:
     for mode, layout in (("save-layout", SAVE), ("other-layout", OTHER)):
         timed(mode, torchrun, WORKER, layout.world, "--mode", mode, *common,
               *layout_args(layout))  # fmt: skip
+    p = timed("reshard", convert, "reshard", "--ckpt", str(root / "train"), "--config",
+              str(CONFIG), *sets(EP2), "--out", str(root / "reshard"))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
     killed = timed("kill", kill_midway, common, root)
     timed("world1", torchrun, WORKER, 1, "--mode", "world1", *common)
     print("wall s per launch:", {k: round(v, 1) for k, v in wall.items()})
@@ -248,6 +255,14 @@ def test_training_checkpoint_across_layouts(work, tiny_checkpoint):
     assert any(k.startswith("optimizer.state.exp_avg.") for k in train)
     for k, t in train.items():
         assert_bitwise(resave[k], t, f"re-save at TP1 PP2 EP4: {k}")
+    # `onpolicy convert reshard` to world 2 EP2 carries the optimizer with the same bits.
+    _, manifest = torch_dist.read_manifest(root / "reshard")
+    assert manifest["layout"] == torch_dist.layout_dict(EP2) and manifest["has_optimizer"]
+    assert manifest["iteration"] == 1
+    resharded = torch_dist.global_tensors(root / "reshard")
+    assert resharded.keys() == train.keys()
+    for k, t in train.items():
+        assert_bitwise(resharded[k], t, f"onpolicy convert reshard to world 2 EP2: {k}")
     cont = torch_dist.global_tensors(root / "cont")
     resh = torch_dist.global_tensors(root / "resh")
     differ = {k: n_differ(resh[k], t) for k, t in cont.items()}

@@ -354,6 +354,12 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     except json.JSONDecodeError as e:
         raise refuse("manifest", it_dir / MANIFEST, f"not valid JSON: {e}",
                      "restore the file from the writer") from e  # fmt: skip
+    keys = ("format_version", "iteration", "model_config", "config_sha256", "dtype", "layout",
+            "has_optimizer", "optimizer", "source_hf")  # fmt: skip
+    missing = [k for k in keys if k not in manifest] if isinstance(manifest, dict) else keys
+    if missing:
+        raise refuse("manifest", it_dir / MANIFEST, f"lacks {list(missing)}",
+                     "restore the file from the writer")  # fmt: skip
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise refuse("manifest", it_dir / MANIFEST,
