@@ -66,10 +66,11 @@ def reshard(job: dict[str, Any], layout: ParallelLayout) -> None:
     model = _model(job, layout, cfg)
     optimizer = None
     if job["with_optimizer"]:
-        distributed = manifest["optimizer"]["distributed"]
-        chunks, optimizer = setup_training(
-            model, OptimizerSettings(distributed_optimizer=distributed)
+        saved = manifest["optimizer"]
+        settings = OptimizerSettings(
+            **saved["settings"], distributed_optimizer=saved["distributed"]
         )
+        chunks, optimizer = setup_training(model, settings)
         model = chunks
     torch_dist.load(job["ckpt"], model, optimizer=optimizer, cfg=cfg, layout=layout)
     torch_dist.save(job["out"], model, optimizer=optimizer, iteration=job["iteration"], cfg=cfg,

@@ -54,6 +54,8 @@ SHARDED_METADATA = {
 }
 """The `metadata` of every sharded state dict, as Megatron-LM's training loop passes it."""
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+OPTIMIZER_SETTINGS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
+"""megatron-core OptimizerConfig fields the manifest records (onpolicy.train.step's names)."""
 LAYOUT_KEYS = ("world", "tp", "pp", "ep", "etp", "sp", "cp")
 MODEL_FIELDS_IGNORED = ("torch_dtype",)
 """Config fields that do not change the model: the stored dtype is checked on its own."""
@@ -175,10 +177,13 @@ def _optimizer_info(optimizer: Any) -> dict[str, Any]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    config = subs[0].config
     return {
         "sharding_type": SHARDING,
         "sub_optimizers": len(subs),
         "distributed": all(isinstance(s, DistributedOptimizer) for s in subs),
+        # A load matches param groups by these values, so a rebuilt optimizer needs them.
+        "settings": {k: getattr(config, k) for k in OPTIMIZER_SETTINGS},
     }
 
 
