@@ -5,7 +5,8 @@ layout is one torchrun job (workers/weight_sync.py) holding another checkpoint, 
 to both engines, syncs in small buckets, and checks the result two ways: every box every
 engine rank holds has the trainer's digest, and the engines' sampled log-probs equal the
 trainer's `onpolicy.train.logprobs` bit for bit. Controls in the same harness: the check before
-the sync, and after one tensor was changed behind the trainer's back, must fail and name it.
+the sync, and after one tensor was changed behind the trainer's back, must fail and name it;
+the log-probs compared before the sync must differ.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def test_sync_is_checked_by_digests_and_log_probs(results, name):
     assert r["after"] == {"ok": True, "tensors": n_tensors, "boxes": r["after"]["boxes"]}
     # engine0 (TP2) holds every tensor in one or two boxes, engine1 (TP1) in one.
     assert r["after"]["boxes"] >= 2 * n_tensors, r["after"]
+    # Control: the same comparison before the sync sees the other weights.
+    before = r["rollouts_before"][0]
+    assert before["compared"] == 3 * 8 and before["equal"] < before["compared"], before
     for roll in r["rollouts"]:
         assert roll["compared"] == 3 * 8 and roll["equal"] == roll["compared"], roll
         assert roll["versions"] == ["v1"], roll

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import secrets
 import subprocess
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--address-file", required=True, help="written once the engine serves")
     args = ap.parse_args(argv)
     key = bytes.fromhex(os.environ.pop(KEY_ENV))
+    # The engine's processes inherit this authkey, so they may fetch shared-memory tensor
+    # handles from a client holding the same key (the colocated tensor transport).
+    multiprocessing.current_process().authkey = key
     host = _Host(args)
     try:
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
@@ -222,6 +226,9 @@ class EngineClient:
     def connect(cls, name: str, address_file: str | os.PathLike, key: str) -> EngineClient:
         """Connect to a running host by its address file."""
         a = json.loads(Path(address_file).read_text())
+        # The same authkey as the engine's processes: they then accept this process's
+        # shared-memory tensor handles (torch's file-descriptor sharing authenticates with it).
+        multiprocessing.current_process().authkey = bytes.fromhex(key)
         conn = Client((a["host"], a["port"]), authkey=bytes.fromhex(key))
         return cls(name=name, tp=a["tp"], ep=a["ep"], conn=conn)
 

@@ -173,8 +173,7 @@ class WeightSync:
         else:
             from sglang.srt.utils import MultiprocessingSerializer
 
-            # Handles by shared-memory file name: the engine's ranks are not our children.
-            torch.multiprocessing.set_sharing_strategy("file_system")
+            # File-descriptor handles; the engine's ranks share our authkey (EngineClient).
             shared = [(n, t.contiguous().share_memory_()) for n, t in bucket]
             for e in self.engines:
                 payloads = [MultiprocessingSerializer.serialize(shared) for _ in range(e.tp)]

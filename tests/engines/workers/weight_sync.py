@@ -82,31 +82,36 @@ def main() -> None:
         except WeightSyncError as e:  # raised on rank 0 only, after the collective walk
             result[what] = {"ok": False, "message": str(e)}
 
+    request = {"prompts": json.loads(args.prompts), "new_tokens": args.new_tokens,
+               "temperature": args.temperature}  # fmt: skip
+
+    def rollouts(clients) -> list[dict]:
+        """Each engine samples; the trainer scores the same tokens; equal bits counted."""
+        box = [[[e.name, e.call("generate", request=request)] for e in clients]]
+        dist.broadcast_object_list(box, src=0)
+        found = []
+        for name, ss in box[0]:
+            scores = logprobs(model, [s["prompt"] + s["output_ids"] for s in ss], args.temperature)
+            if rank == 0:
+                equal = compared = 0
+                for s, lp in zip(ss, scores, strict=True):
+                    mine = lp[len(s["prompt"]) - 1 :]
+                    theirs = torch.tensor(s["logprobs"], dtype=torch.float32)
+                    compared += len(theirs)
+                    equal += int((as_bits(mine) == as_bits(theirs)).sum())
+                found.append({"engine": name, "equal": equal, "compared": compared,
+                              "versions": sorted({s["weight_version"] for s in ss})})  # fmt: skip
+        return found
+
+    # Controls: before the sync the engines hold other weights than the trainer.
+    result["rollouts_before"] = rollouts(engines[:1])
     check("before")
     stats = sync.sync("v1")
     if rank == 0:
         result["sync"] = {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
                           "seconds": stats.seconds}  # fmt: skip
     check("after")
-
-    request = {"prompts": json.loads(args.prompts), "new_tokens": args.new_tokens,
-               "temperature": args.temperature}  # fmt: skip
-    samples = [[e.name, e.call("generate", request=request)] for e in engines]
-    box = [samples]
-    dist.broadcast_object_list(box, src=0)
-    rollouts = []
-    for name, ss in box[0]:
-        scores = logprobs(model, [s["prompt"] + s["output_ids"] for s in ss], args.temperature)
-        if rank == 0:
-            equal = compared = 0
-            for s, lp in zip(ss, scores, strict=True):
-                mine = lp[len(s["prompt"]) - 1 :]
-                theirs = torch.tensor(s["logprobs"], dtype=torch.float32)
-                compared += len(theirs)
-                equal += int((as_bits(mine) == as_bits(theirs)).sum())
-            rollouts.append({"engine": name, "equal": equal, "compared": compared,
-                             "versions": sorted({s["weight_version"] for s in ss})})  # fmt: skip
-    result["rollouts"] = rollouts
+    result["rollouts"] = rollouts(engines)
 
     # Behind the trainer's back: engine 0's copy of one expert's down projection changes.
     victim = f"model.layers.{cfg.num_hidden_layers - 1}.mlp.experts.{cfg.num_experts - 1}."
@@ -114,7 +119,6 @@ def main() -> None:
     if rank == 0:
         from sglang.srt.utils import MultiprocessingSerializer
 
-        torch.multiprocessing.set_sharing_strategy("file_system")  # the engine is no child of ours
         e = engines[0]
         e.call("begin_weight_update")
         t = (hf[victim] * 2).contiguous()
