@@ -37,6 +37,7 @@ TEST_REQS = [
     "safetensors",
     "transformers",
     "ray",
+    "psutil",  # megatron-core's dist-checkpoint writer (not a megatron-core dependency)
     "triton==3.6.0",  # the CUDA backend's kernels, run by Triton's interpreter on CPU in CI
 ]
 
