@@ -222,3 +222,17 @@ def _layers(names):
             if x[0].endswith("input_layernorm.weight"):
                 out.setdefault(r, {})[x[0].rsplit(".", 2)[0]] = x[1].rsplit(".", 2)[0]
     return out
+
+
+def test_an_engine_that_dies_is_named_with_its_log(tmp_path):
+    """A host whose engine cannot start is reported by name with its log, not waited on."""
+    from onpolicy.rollout.host import EngineError
+
+    host = EngineHost.start("broken", tmp_path / "no-such-checkpoint", tmp_path / "hosts")
+    try:
+        with pytest.raises(EngineError, match=r"broken: the engine host exited with \d+ while "
+                           r"starting; see .*broken\.log"):  # fmt: skip
+            host.wait(timeout=600)
+    finally:
+        host.stop()
+    assert host.proc.poll() is not None
