@@ -407,7 +407,8 @@ def _check_specs(
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes its renames durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -479,7 +480,7 @@ def _copy_source(source: Path, tmp: Path) -> None:
                 or name.startswith("onpolicy-")):  # fmt: skip
             continue
         shutil.copyfile(f, tmp / name)  # follows hub-cache symlinks to the blob
-        _fsync(tmp / name)
+        fsync_path(tmp / name)
 
 
 def write_hf_checkpoint(
@@ -527,10 +528,10 @@ def write_hf_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
     marker = out / f"{COMPLETE}.tmp"
     marker.write_text(json.dumps({"files": sorted(f.name for f in out.iterdir())}) + "\n")
-    _fsync(marker)
+    fsync_path(marker)
     os.replace(marker, out / COMPLETE)
-    _fsync(out)
-    _fsync(out.parent)
+    fsync_path(out)
+    fsync_path(out.parent)
     return out
 
 
@@ -539,20 +540,20 @@ def _write_into(tmp: Path, config_text: str, tensors: dict[str, torch.Tensor],
     from safetensors.torch import save_file
 
     (tmp / "config.json").write_text(config_text)
-    _fsync(tmp / "config.json")
+    fsync_path(tmp / "config.json")
     shards = _shards(tensors, max_shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, 1):
         name = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         save_file(_own_storage(shard), tmp / name, {"format": "pt"})
-        _fsync(tmp / name)
+        fsync_path(tmp / name)
         weight_map |= dict.fromkeys(shard, name)
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        _fsync(tmp / INDEX)
+        fsync_path(tmp / INDEX)
     if source is not None:
         _copy_source(Path(source), tmp)
-    _fsync(tmp)
+    fsync_path(tmp)

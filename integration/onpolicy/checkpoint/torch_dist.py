@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onpolicy.checkpoint.hf import CheckpointError
+from onpolicy.checkpoint.hf import CheckpointError, fsync_path
 from onpolicy.layout import ParallelLayout
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
@@ -197,14 +197,6 @@ def _optimizer_stepped(optimizer: Any) -> bool:
     return bool(mine.item())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -235,13 +227,13 @@ def read_tracker(root: Path) -> int | None:
 def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Rank 0, after every rank's shards are on disk: manifest, rename, then the tracker."""
     _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     tracker_tmp = final.parent / f".{TRACKER}.tmp"
     _write_synced(tracker_tmp, f"{manifest['iteration']}\n")
     os.replace(tracker_tmp, final.parent / TRACKER)
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def save(
