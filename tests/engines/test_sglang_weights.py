@@ -95,7 +95,10 @@ def test_updates_report_success_and_version(engine_run):
     for phase in ("tensor", "distributed"):
         failed = [r for r in by[phase]["results"] if r[0] is not True]
         assert not failed, f"{name}: {phase} session steps failed: {failed}"
-    assert by["distributed"]["trainer_rc"] == 0, f"{name}: trainer process failed"
+    trainer = by["distributed"]
+    assert trainer["trainer_rc"] == 0, (
+        f"{name}: trainer process exited {trainer['trainer_rc']}:\n{trainer['trainer_log']}"
+    )
     for phase, want in VERSIONS.items():
         got = {s["weight_version"] for s in by[phase]["samples"]}
         assert got == {want}, f"{name}: {phase}: weight_version {got}, want {want!r}"

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
@@ -46,6 +47,14 @@ def trainer(args: argparse.Namespace) -> None:
     )  # fmt: skip
     for name in json.loads(args.names):
         torch.distributed.broadcast(sd[name].contiguous(), src=0, group=pg)
+    # This process hosts the group's store: it stays up until the engine has left the group
+    # (a line on stdin), then leaves itself, so no rank outlives its peers' rendezvous.
+    sys.stdin.readline()
+    torch.distributed.destroy_process_group(pg)
+
+
+def trainer_log(args: argparse.Namespace) -> Path:
+    return Path(args.out).with_name("trainer.log")
 
 
 def engine_phases(args: argparse.Namespace) -> list[dict]:
@@ -60,7 +69,8 @@ def engine_phases(args: argparse.Namespace) -> list[dict]:
     trainer_proc = subprocess.Popen([
         sys.executable, __file__, "trainer", "--ckpt", args.distributed_ckpt,
         "--world", str(1 + args.tp), "--names", json.dumps(list(dist_sd)),
-    ], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    ], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(trainer_log(args), "w"),
+       text=True)  # fmt: skip
     try:
         return run_phases(args, req, dist_sd, trainer_proc)
     finally:
@@ -123,9 +133,12 @@ def run_phases(args, req, dist_sd: dict, trainer_proc: subprocess.Popen) -> list
         )  # fmt: skip
         results.append(run(tm.update_weights_from_distributed(obj, None)))
         results.append(engine.end_weight_update())
-        rc = trainer_proc.wait(timeout=300)
         results.append(engine.destroy_weights_update_group(GROUP))
-        record("distributed", results=results, trainer_rc=rc)
+        trainer_proc.stdin.write("left\n")
+        trainer_proc.stdin.flush()
+        rc = trainer_proc.wait(timeout=300)
+        tail = "" if rc == 0 else trainer_log(args).read_text()[-4000:]
+        record("distributed", results=results, trainer_rc=rc, trainer_log=tail)
     finally:
         engine.shutdown()
     return phases
