@@ -37,23 +37,24 @@ def engine_env(tp: int, cache_dir: str | os.PathLike, base: dict[str, str] | Non
     return {**(base if base is not None else os.environ), **rollout_env(tp, cache_dir)}
 
 
-def engine_kwargs(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True) -> dict:
+def engine_kwargs(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True, **extra) -> dict:
     """`sglang.Engine(**kwargs)` for one CPU engine; `exact` routes every op to onpolicy.kernels,
-    otherwise the same engine runs SGLang's stock CPU path (torch_native; the negative control)."""
+    otherwise the same engine runs SGLang's stock CPU path (torch_native; the negative control).
+    `extra`: further `exact_engine_args` keywords."""
     from onpolicy.rollout import exact_engine_args
 
-    kwargs = exact_engine_args(ckpt, tp=tp, ep=ep, dtype=dtype)
+    kwargs = exact_engine_args(ckpt, tp=tp, ep=ep, dtype=dtype, **extra)
     if not exact:
         del kwargs["rl_on_policy_target"]
         kwargs["attention_backend"] = "torch_native"
     return kwargs
 
 
-def launch(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True):
+def launch(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True, **extra):
     """A started `sglang.Engine` (call `.shutdown()` when done)."""
     import sglang as sgl
 
-    return sgl.Engine(**engine_kwargs(ckpt, tp, ep, dtype, exact))
+    return sgl.Engine(**engine_kwargs(ckpt, tp, ep, dtype, exact, **extra))
 
 
 def sample(engine, req: RolloutRequest) -> list[dict]:

@@ -32,18 +32,22 @@ class EngineError(RuntimeError):
     """An engine refused a request, or its process died."""
 
 
-# --- the host -------------------------------------------------------------------------------
-class _Host:
-    def __init__(self, args: argparse.Namespace) -> None:
+# --- the engine's operations ---------------------------------------------------------------
+class EngineService:
+    """An `sglang.Engine` started in this process and the operations a trainer or driver asks
+    of it, by name. The socket host below serves them; a Ray actor can hold one as well."""
+
+    def __init__(self, ckpt: str, *, tp: int = 1, ep: int = 1, dtype: str = "bfloat16",
+                 exact: bool = True, **engine_extra) -> None:  # fmt: skip
         from onpolicy.parity_rollout import launch
 
-        self.args = args
-        self.engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock)
+        self.tp, self.ep = tp, ep
+        self.engine = launch(str(ckpt), tp, ep, dtype, exact=exact, **engine_extra)
         self.run = self.engine.loop.run_until_complete
         self.tm = self.engine.tokenizer_manager
 
     def info(self) -> dict:
-        return {"tp": self.args.tp, "ep": self.args.ep, "pid": os.getpid(),
+        return {"tp": self.tp, "ep": self.ep, "pid": os.getpid(),
                 "weight_version": self.engine.get_model_info()["weight_version"]}  # fmt: skip
 
     def generate(self, request: dict) -> list[dict]:
@@ -80,7 +84,14 @@ class _Host:
         with tempfile.TemporaryDirectory(prefix="onpolicy-report-") as d:
             self.engine.collective_rpc("onpolicy_report_weights", path=d)
             return [json.loads((Path(d) / f"rank{r}.json").read_text())
-                    for r in range(self.args.tp)]  # fmt: skip
+                    for r in range(self.tp)]  # fmt: skip
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class _Host(EngineService):
+    """The socket server around an `EngineService`."""
 
     def serve(self, listener: Listener) -> None:
         while True:
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     # The engine's processes inherit this authkey, so they may fetch shared-memory tensor
     # handles from a client holding the same key (the colocated tensor transport).
     multiprocessing.current_process().authkey = key
-    host = _Host(args)
+    host = _Host(args.ckpt, tp=args.tp, ep=args.ep, dtype=args.dtype, exact=not args.stock)
     try:
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             out = Path(args.address_file)
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             os.replace(tmp, out)
             host.serve(listener)
     finally:
-        host.engine.shutdown()
+        host.shutdown()
 
 
 # --- starting a host ------------------------------------------------------------------------
