@@ -1,7 +1,7 @@
 """The `onpolicy` command. Subcommands: `upstream` (the patch-series tool), `validate` (the
 contract check of a run config, printing the resolved plan), `parity` (SGLang samples, Megatron
 scores the same tokens; prints equal / compared log-probs per layout pair), `convert` (HF <->
-Megatron torch-dist checkpoints, and resharding between layouts)."""
+Megatron torch-dist checkpoints, and resharding between layouts), `e2e` (the GRPO run)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ USAGE = (
     "                        [--iteration N]\n"
     "       onpolicy convert dist-to-hf --ckpt ROOT_OR_ITER --out DIR\n"
     "       onpolicy convert reshard --ckpt ROOT_OR_ITER --config FILE [--set KEY=VALUE ...]\n"
-    "                        --out ROOT [--iteration N] [--model-only]"
+    "                        --out ROOT [--iteration N] [--model-only]\n"
+    "       onpolicy e2e --config FILE [--set SECTION.KEY=VALUE ...] [--steps N] [--out DIR]\n"
+    "                    [--address RAY_ADDRESS] [--resume] [--bisect]"
 )
 
 
@@ -128,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         from onpolicy.checkpoint.convert import main as convert_main
 
         return convert_main(argv[1:])
-    print(f"onpolicy: unknown command {argv[0]!r} (known: upstream, validate, parity, convert)",
-          file=sys.stderr)  # fmt: skip
+    if argv[0] == "e2e":
+        from onpolicy.grpo.e2e import main as e2e_main
+
+        return e2e_main(argv[1:])
+    print(f"onpolicy: unknown command {argv[0]!r} (known: upstream, validate, parity, convert, "
+          "e2e)", file=sys.stderr)  # fmt: skip
     return 2
 
 

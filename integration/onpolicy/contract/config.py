@@ -94,6 +94,13 @@ def from_dict(cls: type, data: dict, where: str = "") -> object:
                 )
             continue
         value, want = data[name], hints[name]
+        if typing.get_origin(want) is typing.Literal:
+            if value not in typing.get_args(want):
+                choices = ", ".join(repr(a) for a in typing.get_args(want))
+                raise ContractError("config_types", f"config key {path!r} is {value!r}",
+                                    f"write {path} as one of {choices}")  # fmt: skip
+            kwargs[name] = value
+            continue
         if dataclasses.is_dataclass(want):
             if not isinstance(value, dict):
                 raise ContractError(
@@ -173,13 +180,25 @@ def parse_override(item: str) -> tuple[str, object]:
     return key.strip(), value
 
 
-def config_from_dict(data: dict, overrides: dict[str, object] | None = None) -> RunConfig:
-    """A run config from TOML data, with dotted-key overrides applied first (they win)."""
+LOOP_SECTIONS = ("grpo", "loss", "optimizer", "sync", "task", "run")
+"""Tables of a run config that only the GRPO loop reads (`onpolicy.grpo.config`, which checks
+their keys); no rule of the contract depends on them."""
+
+
+def apply_overrides(data: dict, overrides: dict[str, object] | None) -> dict:
+    """A deep copy of TOML data with dotted-key overrides applied (they win)."""
     import copy
 
     data = copy.deepcopy(data)
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
+    return data
+
+
+def config_from_dict(data: dict, overrides: dict[str, object] | None = None) -> RunConfig:
+    """A run config from TOML data, with dotted-key overrides applied first (they win)."""
+    data = apply_overrides(data, overrides)
+    data = {k: v for k, v in data.items() if k not in LOOP_SECTIONS}
     cfg = from_dict(RunConfig, data)
     cfg.shape = model_shape(cfg.model)
     return cfg
@@ -187,6 +206,11 @@ def config_from_dict(data: dict, overrides: dict[str, object] | None = None) -> 
 
 def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> RunConfig:
     """Read a run config from a TOML file; `overrides` (dotted keys) take precedence."""
+    return config_from_dict(read_toml(path), overrides)
+
+
+def read_toml(path: str | Path) -> dict:
+    """A config file's TOML data; a missing file or bad syntax is a ContractError."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
@@ -196,4 +220,4 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
         ) from None
     except tomllib.TOMLDecodeError as e:
         raise ContractError("config_file", f"{p} is not valid TOML: {e}", "fix the syntax") from e
-    return config_from_dict(data, overrides)
+    return data

@@ -1,0 +1,355 @@
+"""The run's Ray actors: one `RolloutActor` per SGLang engine, one `TrainerActor` per Megatron rank.
+
+Both are plain classes; the driver wraps them with `ray.remote` and places them. Every method
+runs on the actor's main thread, one at a time: SGLang's Engine is made and used on one thread
+(its event loop), and torch.distributed's collectives are entered in the same order on every
+trainer rank because the driver calls each method on all ranks at once.
+
+A rollout actor holds an `EngineService` (the engine in the actor's own process; the engine's
+TP x EP scheduler processes are its children, and `Engine.shutdown` or the actor's death takes
+them down). The trainer actors form one torch.distributed world (gloo on CPU, NCCL on GPU)
+with megatron-core's groups for the layout; rank 0 also talks to the engines for the weight
+sync, through `EngineProxy`, which gives `WeightSync` the send/result interface of an engine
+client over Ray calls.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+# --- the rollout side -------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSpec:
+    """What a rollout actor starts."""
+
+    index: int
+    """Engine number (0-based); names it in messages."""
+    ckpt: str
+    """HF checkpoint folder the engine loads."""
+    tp: int
+    """SGLang tp_size."""
+    ep: int
+    """SGLang ep_size."""
+    dtype: str
+    """Model dtype."""
+    device: str
+    """'cpu' or 'cuda'."""
+    exact: bool = True
+    """The onpolicy exact path; False runs SGLang's stock CPU path (the negative control)."""
+    routes: bool = True
+    """Return each sample's routed expert ids."""
+    base_gpu_id: int = 0
+    """First GPU of the engine on its node (CUDA)."""
+
+
+class RolloutActor:
+    """One SGLang engine inside a Ray actor."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.name = f"engine{spec.index}"
+        self.service = None
+
+    def start(self) -> dict:
+        """Start the engine; its info (tp, ep, pid, weight version)."""
+        from onpolicy.rollout.host import EngineService
+
+        s = self.spec
+        extra: dict[str, Any] = {"device": s.device}
+        if s.routes:
+            extra["return_routed_experts"] = True
+        if s.device == "cuda":
+            extra["base_gpu_id"] = s.base_gpu_id
+        self.service = EngineService(s.ckpt, tp=s.tp, ep=s.ep, dtype=s.dtype, exact=s.exact,
+                                     **extra)  # fmt: skip
+        return self.service.info() | {"name": self.name}
+
+    def call(self, op: str, kw: dict) -> Any:
+        """One `EngineService` operation by name (what `EngineProxy` sends)."""
+        return getattr(self.service, op)(**kw)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], *, temperature: float,
+                 max_new_tokens: int, ignore_eos: bool) -> list[dict]:  # fmt: skip
+        """Sample every prompt once, sample i with `seeds[i]`: output ids, fp32 log-probs (as
+        Python floats, which is exact), routed expert ids and the weight version."""
+        params = [{"temperature": temperature, "max_new_tokens": max_new_tokens,
+                   "ignore_eos": ignore_eos, "sampling_seed": seed} for seed in seeds]  # fmt: skip
+        kwargs: dict[str, Any] = {"return_routed_experts": True} if self.spec.routes else {}
+        outs = self.service.engine.generate(input_ids=prompts, sampling_params=params,
+                                            return_logprob=True, **kwargs)  # fmt: skip
+        samples = []
+        for prompt, out in zip(prompts, outs, strict=True):
+            meta = out["meta_info"]
+            lps = meta["output_token_logprobs"]
+            ids = [t for _lp, t, _txt in lps]
+            if ids != out["output_ids"] or not ids:
+                raise RuntimeError(f"{self.name}: {len(out['output_ids'])} output ids with "
+                                   f"{len(ids)} log-probs for prompt {prompt}")  # fmt: skip
+            sample = {"output_ids": ids, "logprobs": [lp for lp, _t, _x in lps],
+                      "weight_version": meta.get("weight_version"),
+                      "finish": (meta.get("finish_reason") or {}).get("type")}  # fmt: skip
+            if self.spec.routes:
+                sample["routed_experts"] = meta.get("routed_experts")
+            samples.append(sample)
+        return samples
+
+    def release_memory(self) -> None:
+        """Free the engine's GPU memory (weights and KV cache) while the colocated trainer
+        trains; `resume_memory` takes it back before the weight sync."""
+        self.service.engine.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        self.service.engine.resume_memory_occupation()
+
+    def shutdown(self) -> None:
+        if self.service is not None:
+            self.service.shutdown()
+            self.service = None
+
+
+class EngineProxy:
+    """A rollout actor as `WeightSync` sees an engine: `send` now, `result` later, `call`."""
+
+    def __init__(self, name: str, tp: int, ep: int, handle: Any) -> None:
+        self.name, self.tp, self.ep, self.handle = name, tp, ep, handle
+        self.pending: list[tuple[str, Any]] = []
+
+    def send(self, op: str, **kw) -> None:
+        self.pending.append((op, self.handle.call.remote(op, kw)))
+
+    def result(self, timeout: float = 900.0) -> Any:
+        import ray
+
+        op, ref = self.pending.pop(0)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{self.name}: no reply to {op} within {timeout:.0f} s") from None
+
+    def call(self, op: str, timeout: float = 900.0, **kw) -> Any:
+        self.send(op, **kw)
+        return self.result(timeout)
+
+
+# --- the trainer side -------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerSpec:
+    """What every trainer rank builds."""
+
+    world: int
+    """Trainer ranks."""
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    sp: bool
+    dtype: str
+    """Parameter dtype."""
+    device: str
+    """'cpu' (gloo) or 'cuda' (NCCL)."""
+    ckpt: str
+    """HF checkpoint the model starts from."""
+    master_addr: str
+    """Address of the rendezvous (rank 0 binds it)."""
+    master_port: int
+    """Port of the rendezvous."""
+    optimizer: Any
+    """`onpolicy.train.step.OptimizerSettings`."""
+    loss: Any
+    """`onpolicy.train.loss.PPOClipConfig`."""
+    sync: Any
+    """`onpolicy.weights.SyncConfig`."""
+    temperature: float
+    """Scoring temperature (the sampling one)."""
+    micro_batch_tokens: int
+    """Token budget of one packed micro-batch."""
+    resume: str = ""
+    """A torch-dist checkpoint (root or iteration) to load model and optimizer from."""
+
+
+class TrainerActor:
+    """One Megatron rank: the exact-spec policy, its optimizer, and (rank 0) the weight sync."""
+
+    def __init__(self, rank: int, spec: TrainerSpec) -> None:
+        self.rank, self.spec = rank, spec
+        self.sync = None
+
+    def setup(self) -> dict:
+        """Join the process group, build the model at the layout, load it, wrap it for training."""
+        import torch.distributed as dist
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from onpolicy.checkpoint import torch_dist
+        from onpolicy.checkpoint.hf_megatron import hf_to_megatron
+        from onpolicy.layout import ParallelLayout
+        from onpolicy.models.hf_layout import load_hf_state_dict
+        from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+        from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
+        from onpolicy.train.step import setup_training
+
+        s = self.spec
+        t0 = time.perf_counter()
+        if s.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = torch.distributed.TCPStore(s.master_addr, s.master_port, s.world,
+                                           is_master=self.rank == 0)  # fmt: skip
+        dist.init_process_group("nccl" if s.device == "cuda" else "gloo", store=store,
+                                rank=self.rank, world_size=s.world)  # fmt: skip
+        self.layout = ParallelLayout(world=s.world, tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp, sp=s.sp)
+        initialize_parallel_state(self.layout)
+        model_parallel_cuda_manual_seed(1234)
+        self.cfg = Qwen3MoeConfig.from_hf(s.ckpt)
+        self.dtype = getattr(torch, s.dtype)
+        hf = load_hf_state_dict(s.ckpt)
+
+        def built():
+            model = build_gpt_model(self.cfg, self.layout, self.dtype, spec="exact")
+            model.load_state_dict(hf_to_megatron(self.cfg, hf, self.layout, self.rank,
+                                                 self.dtype), strict=True)  # fmt: skip
+            return model.cuda() if s.device == "cuda" else model
+
+        self.chunks, self.optimizer = setup_training(built(), s.optimizer)
+        self.ref = None
+        if s.loss.kl_coef > 0:  # the frozen starting policy, for the KL term
+            self.ref = built().eval()
+        hf = None  # the rank's shards are loaded; free the full state dict
+        self.iteration = 0
+        if s.resume:
+            manifest = torch_dist.load(s.resume, self.chunks, optimizer=self.optimizer,
+                                       cfg=self.cfg, layout=self.layout)  # fmt: skip
+            self.iteration = int(manifest["iteration"])
+        return {"rank": self.rank, "pid": os.getpid(), "iteration": self.iteration,
+                "setup_s": time.perf_counter() - t0}  # fmt: skip
+
+    # --- collective helpers ---------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Every rank syncs across its TP, PP and EP groups before rank 0 alone reports, so no
+        collective of the step is still in flight on any group when the driver moves on."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        for group in (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                      ps.get_expert_model_parallel_group()):  # fmt: skip
+            dist.barrier(group=group)
+
+    # --- one step -------------------------------------------------------------------------------
+    def score(self, sequences: list[list[int]], routes: bool) -> dict | None:
+        """The policy's fp32 log-probs of every sequence (tokens 1..n-1) and, with `routes`,
+        its routed expert ids [n, layers, k]; on rank 0, None elsewhere."""
+        from onpolicy.train.logprobs import logprobs
+
+        t0 = time.perf_counter()
+        kw = {"routes": True} if routes else {}
+        out = logprobs(self.chunks, sequences, self.spec.temperature,
+                       micro_batch_tokens=self.spec.micro_batch_tokens, **kw)  # fmt: skip
+        self._settle()
+        if self.rank != 0:
+            return None
+        values, found = out if routes else (out, None)
+        return {"logprobs": values, "routes": found, "seconds": time.perf_counter() - t0}
+
+    def train(self, batch: dict) -> dict | None:
+        """One PPO-clip step on the global batch (the same on every rank): sequences, the
+        rollout's log-probs (the sampling policy), per-sample advantages, response starts."""
+        import torch.distributed as dist
+
+        from onpolicy.train.logprobs import logprobs
+        from onpolicy.train.step import policy_micro_batches, train_step
+
+        t0 = time.perf_counter()
+        seqs, starts = batch["sequences"], batch["response_starts"]
+        old, adv, mask = [], [], []
+        for seq, start, lps, a in zip(seqs, starts, batch["rollout_logprobs"],
+                                      batch["advantages"], strict=True):  # fmt: skip
+            n = len(seq) - 1  # predicted tokens; token i is predicted at i - 1
+            o = torch.zeros(n, dtype=torch.float32)
+            o[start - 1 :] = torch.tensor(lps, dtype=torch.float32)
+            m = torch.zeros(n, dtype=torch.float32)
+            m[start - 1 :] = 1.0
+            old.append(o)
+            mask.append(m)
+            adv.append(m * a)
+        ref = None
+        if self.ref is not None:
+            box = [logprobs(self.ref, seqs, self.spec.temperature,
+                            micro_batch_tokens=self.spec.micro_batch_tokens)]  # fmt: skip
+            dist.broadcast_object_list(box, src=0)
+            ref = box[0]
+        mbs = policy_micro_batches(seqs, old, adv, mask, ref_logprobs=ref,
+                                   micro_batch_tokens=self.spec.micro_batch_tokens)  # fmt: skip
+        result = train_step(self.chunks, self.optimizer, mbs, loss=self.spec.loss,
+                            temperature=self.spec.temperature)  # fmt: skip
+        self.iteration += 1
+        self._settle()
+        if self.rank != 0:
+            return None
+        return {"loss": result.loss, "grad_norm": result.grad_norm,
+                "num_tokens": result.num_tokens, **result.metrics,
+                "seconds": time.perf_counter() - t0}  # fmt: skip
+
+    # --- weights --------------------------------------------------------------------------------
+    def connect(self, engines: list[dict]) -> None:
+        """Set up the weight sync; `engines` (used on rank 0): name, tp, ep, actor handle."""
+        from onpolicy.weights import Gatherer, WeightSync
+
+        proxies = [EngineProxy(e["name"], e["tp"], e["ep"], e["handle"]) for e in engines]
+        gatherer = Gatherer(self.chunks[0], self.cfg, self.layout)
+        self.sync = WeightSync(gatherer, proxies if self.rank == 0 else [], self.spec.sync)
+
+    def sync_weights(self, version: str, verify: bool) -> dict | None:
+        """Send the policy to every engine as `version`; with `verify`, check every engine
+        rank's weights by digest. Stats on rank 0."""
+        t0 = time.perf_counter()
+        stats = self.sync.sync(version)
+        checked = self.sync.verify() if verify else None
+        self._settle()
+        if self.rank != 0:
+            return None
+        return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
+                "verified_boxes": checked.boxes if checked else 0,
+                "seconds": time.perf_counter() - t0}  # fmt: skip
+
+    def save(self, root: str, iteration: int) -> str:
+        """Save model and optimizer as `iteration` of `root` (atomic; every rank)."""
+        from onpolicy.checkpoint import torch_dist
+
+        path = torch_dist.save(root, self.chunks, optimizer=self.optimizer, iteration=iteration,
+                               cfg=self.cfg, layout=self.layout, dtype=self.dtype,
+                               source_hf=self.spec.ckpt)  # fmt: skip
+        return str(path)
+
+    def params_digest(self) -> str | None:
+        """SHA-256 of every parameter of every rank, in rank order (rank 0; for tests)."""
+        import hashlib
+
+        import torch.distributed as dist
+
+        h = hashlib.sha256()
+        for chunk in self.chunks:
+            for name, p in sorted(chunk.named_parameters()):
+                h.update(name.encode() + p.detach().cpu().contiguous().view(torch.uint8)
+                         .numpy().tobytes())  # fmt: skip
+        digests = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(h.hexdigest(), digests, dst=0)
+        if self.rank != 0:
+            return None
+        return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+    def shutdown(self) -> None:
+        """Leave the weight-sync group and the process groups."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+        if dist.is_initialized():
+            dist.barrier()
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()

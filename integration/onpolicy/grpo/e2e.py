@@ -1,0 +1,180 @@
+"""`onpolicy e2e`: the GRPO run of a config, its metrics, its final table and its exit code.
+
+    onpolicy e2e --config FILE [--set section.key=value ...] [--steps N] [--out DIR]
+                 [--resume] [--bisect]
+
+Exit codes: 0 every step ran (in true-on-policy mode: abs_diff and kl 0.0 at every step);
+1 a step broke the true-on-policy assertion; 2 a refused config or resume; 3 an actor died,
+failed or hung, or a process of the run had to be killed at teardown; 130 interrupted.
+
+The run directory (run.out, default runs/<config name>):
+
+    config.json          the resolved config (every table, defaults filled in)
+    metrics.jsonl        one JSON object per step ({"step": N, metric: value, ...})
+    tiny-seed*/          the seeded tiny HF checkpoint the run starts from (tiny configs)
+    checkpoints/         torch-dist saves every run.checkpoint_every steps (iter_N, latest)
+    violation.json       the first differing token of a step that broke the assertion
+    bisect/              per-layer captures of both engines (--bisect)
+    engine-cache/        SGLang's and inductor's caches
+    wandb/               the wandb run (offline unless WANDB_API_KEY is set)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from onpolicy.bits import hex_bits
+from onpolicy.grpo.driver import Driver, OnPolicyViolation, RunError
+
+TABLE = [("step", "step", "{}"), ("abs_diff", "train/train_rollout_logprob_abs_diff", "{!r}"),
+         ("kl", "train/train_rollout_kl", "{!r}"), ("equal", "train/logprob_equal_frac", "{:.4f}"),
+         ("routing", "train/routing_mismatch", "{!r}"), ("reward", "reward/mean", "{:.3f}"),
+         ("grad_norm", "grad_norm", "{:.4g}"), ("version", "weight_version", "{}"),
+         ("rollout_s", "time/rollout_s", "{:.2f}"), ("train_s", "time/train_s", "{:.2f}"),
+         ("sync_s", "time/sync_s", "{:.2f}")]  # fmt: skip
+"""The final table's columns: heading, metric, format."""
+
+
+def format_table(rows: list[dict]) -> str:
+    """The final table: one row per step, a column per TABLE entry ("-" where a metric is
+    missing, e.g. the training columns of a step that stopped at the assertion)."""
+    cols = []
+    for head, key, fmt in TABLE:
+        cells = [fmt.format(r[key]) if key in r else "-" for r in rows]
+        width = max(len(head), *(len(c) for c in cells))
+        cols.append([head.rjust(width)] + [c.rjust(width) for c in cells])
+    return "\n".join("  ".join(line) for line in zip(*cols, strict=True))
+
+
+def _violation_record(v: OnPolicyViolation) -> dict:
+    m = v.mismatch
+    rec = {"step": v.step, "message": str(v), "metrics": v.metrics}
+    if m is not None:
+        s = v.samples[m.sample]
+        rec["first_mismatch"] = {
+            "sample": m.sample, "position": m.position, "completion_index": m.completion_index,
+            "token": m.token, "rollout": float(m.rollout), "rollout_hex": hex_bits(m.rollout),
+            "trainer": float(m.trainer), "trainer_hex": hex_bits(m.trainer),
+            "prompt": s["prompt"], "output_ids": s["output_ids"], "seed": s["seed"],
+            "engine": s["engine"],
+        }  # fmt: skip
+    return rec
+
+
+def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = False,
+        console=sys.stderr) -> int:  # fmt: skip
+    """Run the config's GRPO loop; the exit code (see the module doc)."""
+    from onpolicy.grpo.metrics import MetricsLogger
+
+    def say(msg: str) -> None:
+        print(msg, file=console, flush=True)
+
+    total = steps if steps is not None else e.grpo.steps
+    driver = Driver(e, resume=resume, log=say)
+    logger, rows, code = None, [], 0
+    t0 = time.perf_counter()
+    try:
+        say(f"onpolicy e2e: {e.cfg.name or e.source}: {total} steps, out {driver.out}")
+        driver.setup()
+        say(f"onpolicy e2e: {len(driver.trainers)} trainer ranks and {len(driver.engines)} "
+            f"engines up in {driver.times['setup_s']:.1f} s" +
+            (f"; resumed at step {driver.start_step}" if driver.start_step else ""))  # fmt: skip
+        logger = MetricsLogger(driver.out, run_name=e.cfg.name or "onpolicy", config=e.to_dict(),
+                               total_steps=total, start_step=driver.start_step,
+                               wandb_project=e.run.wandb_project, wandb_mode=e.run.wandb_mode,
+                               console=console, progress=e.run.progress)  # fmt: skip
+        for step in range(driver.start_step + 1, total + 1):
+            rec = driver.step(step)
+            logger.log(step, rec.metrics)
+            rows.append({"step": step, **rec.metrics})
+            driver.checkpoint_step(step)
+    except OnPolicyViolation as v:
+        code = 1
+        if logger is not None:
+            logger.log(v.step, v.metrics)
+        rows.append({"step": v.step, **v.metrics})
+        _write(driver.out / "violation.json", _violation_record(v))
+        say(f"onpolicy e2e: {v}")
+        if bisect and v.mismatch is not None:
+            say(driver.bisect(v))
+    except RunError as err:
+        code = err.code
+        say(f"onpolicy e2e: {err}")
+    except KeyboardInterrupt:
+        code = 130
+        say("onpolicy e2e: interrupted; tearing down")
+    finally:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # teardown is not interrupted
+        try:
+            if logger is not None:
+                logger.close()
+            left = driver.teardown()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if left:
+            say("onpolicy e2e: killed processes of the run left after teardown: " + "; ".join(left))
+            code = code or 3
+    if e.cfg.device == "cuda":
+        used = gpu_memory_used()
+        say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}")
+        if any(used):
+            code = code or 3
+    if rows:
+        say(format_table(rows))
+    say(f"onpolicy e2e: {'done' if code == 0 else f'stopped (exit {code})'} in "
+        f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+    return code
+
+
+def gpu_memory_used() -> list[int]:
+    """Memory used on every GPU of this host, in MiB (nvidia-smi)."""
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return [int(x) for x in out.split()]
+
+
+def _write(path: Path, record: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="onpolicy e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--config", required=True, help="TOML run config, e.g. configs/tiny-cpu.toml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (TOML value), e.g. --set grpo.steps=4; wins "
+                    "over the file")  # fmt: skip
+    ap.add_argument("--steps", type=int, help="steps to run (default grpo.steps)")
+    ap.add_argument("--out", help="run directory (default run.out, else runs/<config name>)")
+    ap.add_argument("--address", help="a Ray cluster to join (default: start a local head)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the run directory's latest checkpoint")  # fmt: skip
+    ap.add_argument("--bisect", action="store_true",
+                    help="on a true-on-policy violation, rerun the sample on both engines with "
+                    "per-layer captures and name the first layer and op that differ")  # fmt: skip
+    args = ap.parse_args(argv)
+    from onpolicy.contract import ContractError, parse_override
+    from onpolicy.grpo.config import load_e2e_config
+
+    try:
+        overrides = dict(parse_override(item) for item in args.set)
+        if args.out:
+            overrides["run.out"] = args.out
+        if args.address:
+            overrides["run.ray_address"] = args.address
+        if args.steps is not None:
+            overrides["grpo.steps"] = args.steps
+        e = load_e2e_config(args.config, overrides)
+    except ContractError as err:
+        print(f"onpolicy e2e: {args.config}: {err}", file=sys.stderr)
+        return 2
+    return run(e, resume=args.resume, bisect=args.bisect)
