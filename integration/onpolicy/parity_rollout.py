@@ -27,6 +27,10 @@ class RolloutRequest:
     """Sampling temperature; 0 is greedy."""
     seed: int = 0
     """Base sampling seed; sample i uses seed + i."""
+    return_routed_experts: bool = False
+    """Also return each sample's routed expert ids (the engine must have been started with
+    return_routed_experts=True): field "routed_experts", `onpolicy.rollout.routing.encode` of
+    int32 [len(prompt) + new_tokens - 1, layers, top_k]; `routing.decode` reads it."""
 
 
 def engine_env(tp: int, cache_dir: str | os.PathLike, base: dict[str, str] | None = None) -> dict:
@@ -59,13 +63,16 @@ def launch(ckpt: str, tp: int, ep: int, dtype: str, exact: bool = True, **extra)
 
 def sample(engine, req: RolloutRequest) -> list[dict]:
     """Generate every prompt in one batch; per sample its output ids, fp32 log-probs (widened to
-    Python floats, which is exact) and the weight version the engine reported."""
+    Python floats, which is exact) and the weight version the engine reported; with
+    `req.return_routed_experts` also "routed_experts" (see `RolloutRequest`)."""
     params = [
         {"temperature": req.temperature, "max_new_tokens": req.new_tokens, "ignore_eos": True,
          "sampling_seed": req.seed + i}
         for i in range(len(req.prompts))
     ]  # fmt: skip
-    outs = engine.generate(input_ids=req.prompts, sampling_params=params, return_logprob=True)
+    extra = {"return_routed_experts": True} if req.return_routed_experts else {}
+    outs = engine.generate(input_ids=req.prompts, sampling_params=params, return_logprob=True,
+                           **extra)  # fmt: skip
     result = []
     for prompt, out in zip(req.prompts, outs, strict=True):
         meta = out["meta_info"]
@@ -78,7 +85,18 @@ def sample(engine, req: RolloutRequest) -> list[dict]:
             )
         result.append({"prompt": prompt, "output_ids": ids, "logprobs": [lp for lp, _t, _x in lps],
                        "weight_version": meta.get("weight_version")})  # fmt: skip
+        if req.return_routed_experts:
+            result[-1]["routed_experts"] = _routes(engine, meta)
     return result
+
+
+def _routes(engine, meta: dict) -> dict:
+    """A response's routed expert ids, checked against the model's shape, JSON-safe."""
+    from onpolicy.rollout import routing
+
+    hf = engine.tokenizer_manager.model_config.hf_text_config
+    return routing.encode(routing.routed_experts(meta, hf.num_hidden_layers,
+                                                 hf.num_experts_per_tok))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

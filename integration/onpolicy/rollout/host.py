@@ -121,12 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--stock", action="store_true", help="SGLang's stock CPU path")
     ap.add_argument("--address-file", required=True, help="written once the engine serves")
+    ap.add_argument("--engine-args", default="{}", help="JSON of further exact_engine_args "
+                    "keywords (e.g. return_routed_experts)")  # fmt: skip
     args = ap.parse_args(argv)
     key = bytes.fromhex(os.environ.pop(KEY_ENV))
     # The engine's processes inherit this authkey, so they may fetch shared-memory tensor
     # handles from a client holding the same key (the colocated tensor transport).
     multiprocessing.current_process().authkey = key
-    host = _Host(args.ckpt, tp=args.tp, ep=args.ep, dtype=args.dtype, exact=not args.stock)
+    host = _Host(args.ckpt, tp=args.tp, ep=args.ep, dtype=args.dtype, exact=not args.stock,
+                 **json.loads(args.engine_args))  # fmt: skip
     try:
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             out = Path(args.address_file)
@@ -159,9 +162,10 @@ class EngineHost:
     @classmethod
     def start(cls, name: str, ckpt: str | os.PathLike, workdir: str | os.PathLike, *, tp: int = 1,
               ep: int = 1, dtype: str = "bfloat16", exact: bool = True,
-              key: str | None = None) -> EngineHost:  # fmt: skip
+              key: str | None = None, engine_args: dict | None = None) -> EngineHost:  # fmt: skip
         """Start a host for an engine on `ckpt`; `wait()` for it to serve. `key`: the authkey
-        (hex) to share with this host's clients; a fresh one by default."""
+        (hex) to share with this host's clients; a fresh one by default. `engine_args`: further
+        `exact_engine_args` keywords (JSON-safe), e.g. {"return_routed_experts": True}."""
         from onpolicy.parity_rollout import engine_env
 
         work = Path(workdir)
@@ -172,7 +176,8 @@ class EngineHost:
         env = engine_env(tp, work / "cache", clean_env())
         env[KEY_ENV] = key
         cmd = [sys.executable, "-m", "onpolicy.rollout.host", "--ckpt", str(ckpt), "--tp", str(tp),
-               "--ep", str(ep), "--dtype", dtype, "--address-file", str(addr)]  # fmt: skip
+               "--ep", str(ep), "--dtype", dtype, "--address-file", str(addr),
+               "--engine-args", json.dumps(engine_args or {})]  # fmt: skip
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd + ([] if exact else ["--stock"]), env=env, stdout=f,
                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip

@@ -33,12 +33,14 @@ def engine_env(tp: int, run_dir: str | os.PathLike, device: str = "cpu") -> dict
 def exact_engine_args(
     model_path: str | os.PathLike, *, tp: int = 1, ep: int = 1, dtype: str = "bfloat16",
     device: str = "cpu", chunked_prefill_size: int | None = None,
-    disable_radix_cache: bool = False, **extra: Any,
+    disable_radix_cache: bool = False, return_routed_experts: bool = False, **extra: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """`sglang.Engine(**kwargs)` arguments of an exact engine; `extra` adds or overrides.
 
     `chunked_prefill_size` None keeps SGLang's default, -1 turns chunking off; any size gives
-    the same bits, as does the radix cache on or off.
+    the same bits, as does the radix cache on or off. `return_routed_experts` turns on SGLang's
+    routed-experts capture (`enable_return_routed_experts`): a request that asks for them then
+    gets every token's expert ids (`onpolicy.rollout.routing.routed_experts`).
     """
     args: dict[str, Any] = {
         "model_path": str(model_path),
@@ -58,6 +60,8 @@ def exact_engine_args(
     }
     if chunked_prefill_size is not None:
         args["chunked_prefill_size"] = chunked_prefill_size
+    if return_routed_experts:
+        args["enable_return_routed_experts"] = True
     return args | extra
 
 

@@ -11,6 +11,11 @@ TP group gives every rank every partial; then, the same on every rank:
 3. `kernels.moe_combine` sums a token's slots in ascending expert-id order.
 The output is then complete on every rank; the patched `post_experts_output_is_complete` tells
 the layer boundary that no further sum is owed.
+
+The routed expert ids go to SGLang's routed-experts capturer, as its own TopK would send them
+(`capture_routed_experts_if_allowed`, a no-op unless the engine runs with
+`enable_return_routed_experts`), so a request with `return_routed_experts=True` gets the ids
+this path used (`onpolicy.rollout.routing`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from onpolicy import kernels as K
 def sparse_moe_forward(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """`Qwen3MoeSparseMoeBlock.forward_normal`: [T, H] in, the combined MoE output [T, H] out."""
     from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.layers.moe.topk import capture_routed_experts_if_allowed
 
     experts = block.experts
     x = hidden.reshape(-1, hidden.shape[-1])
     ids, weights = K.moe_route(x, block.gate.weight, block.topk.topk_config.top_k,
                                block.topk.topk_config.renormalize)  # fmt: skip
+    capture_routed_experts_if_allowed(block.topk.topk_config, block.layer_id, ids)
     ep, moe_tp = experts.moe_ep_size, experts.moe_tp_size
     n_local = experts.num_local_experts
     first = experts.moe_ep_rank * n_local

@@ -10,7 +10,8 @@
   formula differ.
 - `logprobs(model, sequences, temperature)`: forward-only through megatron-core's schedules at
   any layout; every rank passes the same sequences, each DP replica scores its share, and
-  global rank 0 (the driver) receives every sequence's values once.
+  global rank 0 (the driver) receives every sequence's values once. With `routes=True` it also
+  returns every token's routed expert ids (`RouteRecorder`), to compare with the rollout's.
 """
 
 from __future__ import annotations
@@ -170,14 +171,111 @@ def plan_micro_batches(lengths: Sequence[int], dp: int, budget: int) -> list[lis
     return [p + [[] for _ in range(n_micro - len(p))] for p in plans]
 
 
+class RouteRecorder:
+    """The expert ids every `ExactRouter` of this rank's model chunks chooses, per forward.
+
+    Forward hooks, removed by `close()`; nothing is recorded (or costs anything) without one.
+    `ids[layer]` lists one int32 [rows, top_k] tensor per router call, in call order: a chunk
+    runs its micro-batches in order, so call j is micro-batch j. The rows are the router's
+    input tokens: this TP rank's slice of the packed micro-batch under sequence parallel, all
+    of it otherwise.
+    """
+
+    def __init__(self, models: Sequence[torch.nn.Module]) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from onpolicy.train.exact_moe import ExactRouter
+
+        self.sequence_parallel = bool(models[0].config.sequence_parallel)
+        self.ids: dict[int, list[torch.Tensor]] = {}
+        self.handles = []
+        for m in models:
+            for mod in m.modules():
+                if isinstance(mod, TopKRouter) and not isinstance(mod, ExactRouter):
+                    raise TypeError(
+                        f"logprobs(routes=True): {type(mod).__name__} is not onpolicy's "
+                        "ExactRouter; routed expert ids are read from the exact spec's router"
+                    )
+                if isinstance(mod, ExactRouter):
+                    self.handles.append(mod.register_forward_hook(self._hook))
+
+    def _hook(self, router, _inputs, output) -> None:
+        ids = output[0]
+        self.ids.setdefault(router.layer_number - 1, []).append(ids.to(torch.int32).cpu())
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _route_pieces(
+    rec: RouteRecorder, mine: list[list[int]], batches: list[PackedBatch]
+) -> dict[tuple[int, int, int], torch.Tensor]:
+    """This rank's share of every sequence's routes: (sequence, layer, first row) -> int32
+    [rows, top_k]. Under SP each TP rank holds a contiguous slice of a micro-batch's packed
+    rows; without it every TP rank holds them all, and TP rank 0 speaks for the group."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    sp = rec.sequence_parallel
+    if not sp and tp_rank != 0:
+        return {}
+    pieces: dict[tuple[int, int, int], torch.Tensor] = {}
+    for layer, calls in rec.ids.items():
+        if len(calls) != len(batches):
+            raise RuntimeError(
+                f"logprobs(routes=True): layer {layer}'s router ran {len(calls)} times for "
+                f"{len(batches)} micro-batches"
+            )
+        for idx, mb, ids in zip(mine, batches, calls, strict=True):
+            total = len(mb.tokens)
+            r0 = tp_rank * (total // tp) if sp else 0
+            if ids.shape[0] != (total // tp if sp else total):
+                raise RuntimeError(
+                    f"logprobs(routes=True): layer {layer}'s router saw {ids.shape[0]} rows of a "
+                    f"{total}-token micro-batch at TP {tp} (sequence parallel {sp})"
+                )
+            r1 = r0 + ids.shape[0]
+            for i, (a, b) in zip(idx, mb.spans, strict=True):
+                lo, hi = max(a, r0), min(b, r1)
+                if lo < hi:
+                    pieces[i, layer, lo - a] = ids[lo - r0 : hi - r0]
+    return pieces
+
+
+def _assemble_routes(parts: list[dict], lengths: Sequence[int], layers: int,
+                     top_k: int) -> list[torch.Tensor]:  # fmt: skip
+    """Every rank's pieces into int32 [len_i, layers, top_k] per sequence; every row once."""
+    out = [torch.full((n, layers, top_k), -1, dtype=torch.int32) for n in lengths]
+    filled = [torch.zeros(n, layers, dtype=torch.int8) for n in lengths]
+    for part in parts:
+        for (i, layer, row), ids in part.items():
+            out[i][row : row + len(ids), layer] = ids
+            filled[i][row : row + len(ids), layer] += 1
+    for i, f in enumerate(filled):
+        if not bool((f == 1).all()):
+            row, layer = (int(v) for v in torch.nonzero(f != 1)[0])
+            raise RuntimeError(
+                f"logprobs(routes=True): sequence {i} row {row} layer {layer} was routed "
+                f"{int(f[row, layer])} times over the ranks; want once"
+            )
+    return out
+
+
 @torch.no_grad()
 def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperature: float = 1.0,
-             *, micro_batch_tokens: int = 4096) -> list[torch.Tensor] | None:  # fmt: skip
+             *, micro_batch_tokens: int = 4096, routes: bool = False):  # fmt: skip
     """Per sequence, fp32 log p(token i | tokens < i) for i = 1..len-1, through `forward_only`.
 
     Call on every rank with the same sequences. Each DP replica packs its share into THD
     micro-batches of at most `micro_batch_tokens` tokens (`plan_micro_batches`). Returns the
     list on global rank 0, in the order given; None on every other rank.
+
+    `routes=True` returns `(logprobs, routes)` on global rank 0 (None elsewhere): routes[i] is
+    int32 [len_i, layers, top_k], the global expert ids `ExactRouter` chose for every token of
+    sequence i (position 0..len-1) in every layer, gathered from the SP shards, PP stages and
+    DP replicas that routed them.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -201,6 +299,7 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
         return out, collect
 
     was_training = [m.training for m in models]
+    rec = RouteRecorder(models) if routes else None
     for m in models:
         m.eval()
     try:
@@ -210,22 +309,30 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
             micro_batch_size=1, forward_only=True, collect_non_loss_data=True,
         )  # fmt: skip
     finally:
+        if rec is not None:
+            rec.close()
         for m, t in zip(models, was_training, strict=True):
             m.train(t)
     found: dict[int, torch.Tensor] = {}
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for idx, mb, values in zip(mine, batches, per_mb, strict=True):
             found.update(zip(idx, mb.split(values), strict=True))
-    gathered: list[dict[int, torch.Tensor]] | None = (
-        [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-    )
-    dist.gather_object(found, gathered, dst=0)
+    lengths = [len(s) for s in sequences]
+    sent = (found, _route_pieces(rec, mine, batches)) if rec is not None else found
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sent, gathered, dst=0)
     if gathered is None:
         return None
+    if rec is not None:
+        gathered, route_parts = [g[0] for g in gathered], [g[1] for g in gathered]
     merged = {i: v for part in gathered for i, v in part.items()}
     if sorted(merged) != list(range(len(sequences))):
         raise RuntimeError(
             f"logprobs: the last pipeline stage returned {len(merged)} of {len(sequences)} "
             "sequences"
         )
-    return [merged[i] for i in range(len(sequences))]
+    values = [merged[i] for i in range(len(sequences))]
+    if rec is None:
+        return values
+    cfg = models[0].config
+    return values, _assemble_routes(route_parts, lengths, cfg.num_layers, cfg.moe_router_topk)
