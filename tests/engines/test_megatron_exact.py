@@ -67,7 +67,7 @@ def contract_overrides(layout: ParallelLayout) -> dict[str, object]:
         "training.world": layout.world, "training.tp": layout.tp, "training.pp": layout.pp,
         "training.ep": layout.ep, "training.etp": layout.etp, "training.sp": layout.sp,
         "rollout.tp": layout.tp, "rollout.ep": layout.tp // layout.etp,
-        "rollout.engines": layout.world // layout.tp,
+        "rollout.engines": layout.world // layout.tp, "rollout.colocate": True,
     })  # fmt: skip
     return over
 

@@ -22,7 +22,7 @@ def test_tiny_plan(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for needle in [
         "qwen3_moe_true_on_policy_v1  (valid)",
-        "training  world 4: TP2 PP1 EP2 ETP1 SP DP2 EDP2",
+        "training  world 8: TP2 PP2 EP2 ETP1 SP DP2 EDP2",
         "rollout   2 engines x 2 CPU ranks per engine: TP2 EP2 MOE_TP1",
         "training ranks",
         "rollout ranks",
@@ -36,7 +36,7 @@ def test_tiny_plan(capsys: pytest.CaptureFixture[str]) -> None:
     ]:
         assert needle in out, f"{needle!r} not in:\n{out}"
     rank_lines = out.split("training ranks")[1].split("rollout ranks")[0].strip().splitlines()
-    assert len(rank_lines) == 1 + 4  # header + one line per trainer rank
+    assert len(rank_lines) == 1 + 8  # header + one line per trainer rank
 
 
 @pytest.fixture
@@ -68,11 +68,11 @@ def test_published_config_without_its_checkpoint_names_the_fix(
 
 
 def test_overrides_win_over_the_file(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["validate", "--config", str(TINY), "--set", "training.world=8",
+    args = ["validate", "--config", str(TINY), "--set", "training.world=16",
             "--set", "rollout.engines=4", "--set", "model.tiny.num_experts=16"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "training  world 8: TP2 PP1 EP2 ETP1 SP DP4" in out and "16 experts top-2" in out
+    assert "training  world 16: TP2 PP2 EP2 ETP1 SP DP4" in out and "16 experts top-2" in out
     assert main(["validate", "--config", str(TINY), "--set", "training.tp"]) == 2
     assert "[config_override] --set 'training.tp' is not KEY=VALUE" in capsys.readouterr().err
 

@@ -50,8 +50,8 @@ def run(capsys, *argv: str) -> tuple[int, str]:
 
 
 def world1_sets() -> list[str]:
-    return ["--set", "training.world=1", "--set", "training.tp=1", "--set", "training.ep=1",
-            "--set", "training.sp=false"]  # fmt: skip
+    return ["--set", "training.world=1", "--set", "training.tp=1", "--set", "training.pp=1",
+            "--set", "training.ep=1", "--set", "training.sp=false"]  # fmt: skip
 
 
 def test_help_documents_every_command(capsys):

@@ -237,11 +237,13 @@ class Driver:
                                "saves one every N steps)", 2)  # fmt: skip
             self.resume_from, self.start_step = root, it
         self._ray_init()
+        self.times["ray_init_s"] = time.perf_counter() - t0
         self._place()
         starts = [(f"engine{i}", a.start.remote()) for i, a in enumerate(self.engines)]
         setups = [(f"trainer rank {g}", a.setup.remote()) for g, a in enumerate(self.trainers)]
         values = self._wait(starts + setups, "start")
         self.engine_info = values[: len(self.engines)]
+        self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines):])
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
                    for i, h in zip(self.engine_info, self.engines, strict=True)]  # fmt: skip
         self._all(self.trainers, "trainer rank", "connect", proxies)
@@ -368,16 +370,28 @@ class Driver:
     def params_digest(self) -> str:
         return self._all(self.trainers, "trainer rank", "params_digest")[0]
 
-    def teardown(self) -> list[str]:
-        """Stop every actor and the local Ray head; kill and name any process of the run left."""
+    def teardown(self, graceful: bool = True) -> list[str]:
+        """Stop every actor and the local Ray head; kill and name any process of the run left.
+        `graceful` first asks each actor to shut down (not after a fault: a surviving rank
+        would wait in a collective for the dead one)."""
         import ray
 
-        if ray.is_initialized():
-            for name, a in self.actors:
+        t0 = time.perf_counter()
+        if ray.is_initialized() and graceful:
+            # Trainers first (rank 0 leaves the engines' weight-sync group), all ranks at once
+            # (they leave their process groups together); then the engines.
+            for group in (self.trainers, self.engines):
+                refs = []
+                for a in group:
+                    try:
+                        refs.append(a.shutdown.remote())
+                    except Exception:  # a dead actor: killed below
+                        pass
                 try:
-                    ray.get(a.shutdown.remote(), timeout=60)
-                except Exception:  # dead, hung or already gone: killed below either way
+                    ray.wait(refs, num_returns=len(refs), timeout=60)
+                except Exception:
                     pass
+        if ray.is_initialized():
             for _, a in self.actors:
                 try:
                     ray.kill(a)
@@ -392,7 +406,9 @@ class Driver:
                     pass
             ray.shutdown()
         self.actors, self.trainers, self.engines = [], [], []
-        return reap(self.run_id) if self.started_ray else []
+        left = reap(self.run_id) if self.started_ray else []
+        self.times["teardown_s"] = time.perf_counter() - t0
+        return left
 
 
 def _std(xs: list[float]) -> float:

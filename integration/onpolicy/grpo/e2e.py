@@ -76,13 +76,15 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
 
     total = steps if steps is not None else e.grpo.steps
     driver = Driver(e, resume=resume, log=say)
-    logger, rows, code = None, [], 0
+    logger, rows, code, graceful = None, [], 0, True
     t0 = time.perf_counter()
     try:
         say(f"onpolicy e2e: {e.cfg.name or e.source}: {total} steps, out {driver.out}")
         driver.setup()
+        tm = driver.times
         say(f"onpolicy e2e: {len(driver.trainers)} trainer ranks and {len(driver.engines)} "
-            f"engines up in {driver.times['setup_s']:.1f} s" +
+            f"engines up in {tm['setup_s']:.1f} s (Ray {tm['ray_init_s']:.1f} s, slowest trainer "
+            f"rank {tm['trainer_setup_s']:.1f} s)" +
             (f"; resumed at step {driver.start_step}" if driver.start_step else ""))  # fmt: skip
         logger = MetricsLogger(driver.out, run_name=e.cfg.name or "onpolicy", config=e.to_dict(),
                                total_steps=total, start_step=driver.start_step,
@@ -103,17 +105,17 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         if bisect and v.mismatch is not None:
             say(driver.bisect(v))
     except RunError as err:
-        code = err.code
+        code, graceful = err.code, False
         say(f"onpolicy e2e: {err}")
     except KeyboardInterrupt:
-        code = 130
+        code, graceful = 130, False
         say("onpolicy e2e: interrupted; tearing down")
     finally:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # teardown is not interrupted
         try:
             if logger is not None:
                 logger.close()
-            left = driver.teardown()
+            left = driver.teardown(graceful)
         finally:
             signal.signal(signal.SIGINT, previous)
         if left:
@@ -126,6 +128,8 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
             code = code or 3
     if rows:
         say(format_table(rows))
+    if "teardown_s" in driver.times:
+        say(f"onpolicy e2e: teardown {driver.times['teardown_s']:.1f} s")
     say(f"onpolicy e2e: {'done' if code == 0 else f'stopped (exit {code})'} in "
         f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
     return code

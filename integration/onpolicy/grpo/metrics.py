@@ -268,7 +268,10 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
         if self._run is not None:
+            import wandb
+
             self._run.finish()
+            wandb.teardown()  # stops wandb's service process, which would outlive the run
         os.close(self._fd)
 
     def __enter__(self) -> MetricsLogger:
