@@ -11,7 +11,7 @@ nox -s bench                 CPU benchmarks: collectives, train step, rollout, w
 nox -s bench -- --gpu        the exact kernels vs cuBLAS/SDPA and the full-size check (CUDA host)
 nox -s parity                SGLang samples, Megatron scores: log-probs bitwise per layout pair
 nox -s convert -- ...        `onpolicy convert`: HF <-> Megatron torch-dist checkpoints, reshard
-nox -s e2e                   the GRPO loop (not built yet; see README)
+nox -s e2e                   the GRPO loop on configs/tiny-cpu.toml (`-- --config FILE ...`)
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ TEST_REQS = [
     "transformers",
     "ray",
     "psutil",  # megatron-core's dist-checkpoint writer (not a megatron-core dependency)
+    "wandb",  # the GRPO run's metrics (offline unless WANDB_API_KEY is set)
+    "tqdm",  # the GRPO run's progress bar
     "triton==3.6.0",  # the CUDA backend's kernels, run by Triton's interpreter on CPU in CI
 ]
 
@@ -174,8 +176,14 @@ def convert(session: nox.Session) -> None:
 
 @nox.session(python="3.11", default=False)
 def e2e(session: nox.Session) -> None:
-    """The tiny CPU GRPO run with exact-logprob assertions."""
-    session.error(
-        "nox -s e2e: the GRPO loop is not built yet (see README, 'Status'); "
-        "run `nox -s tests` for what exists today"
-    )
+    """`onpolicy e2e`: the GRPO loop, asserting train == rollout log-probs bit for bit at every
+    step. Default: configs/tiny-cpu.toml on CPU. `-- --config FILE --set KEY=VALUE --steps N
+    --out DIR --resume --bisect` pass through; `-- --gpu ...` installs the CUDA dependency set
+    (GPU hosts, e.g. `-- --gpu --config configs/qwen3-30b-a3b-tp2pp2ep2-sp.toml`)."""
+    gpu = "--gpu" in session.posargs
+    args = [a for a in session.posargs if a != "--gpu"]
+    _install(session, gpu=gpu)
+    if "--config" not in args:
+        args = ["--config", str(ROOT / "configs/tiny-cpu.toml"), *args]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    session.run("onpolicy", "e2e", *args, env=env)

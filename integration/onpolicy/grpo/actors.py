@@ -44,6 +44,10 @@ class EngineSpec:
     """The onpolicy exact path; False runs SGLang's stock CPU path (the negative control)."""
     routes: bool = True
     """Return each sample's routed expert ids."""
+    num_layers: int = 0
+    """Decoder layers (the routes' second dim)."""
+    top_k: int = 0
+    """Experts per token (the routes' third dim)."""
     base_gpu_id: int = 0
     """First GPU of the engine on its node (CUDA)."""
 
@@ -83,6 +87,8 @@ class RolloutActor:
         kwargs: dict[str, Any] = {"return_routed_experts": True} if self.spec.routes else {}
         outs = self.service.engine.generate(input_ids=prompts, sampling_params=params,
                                             return_logprob=True, **kwargs)  # fmt: skip
+        from onpolicy.rollout.routing import routed_experts
+
         samples = []
         for prompt, out in zip(prompts, outs, strict=True):
             meta = out["meta_info"]
@@ -94,8 +100,9 @@ class RolloutActor:
             sample = {"output_ids": ids, "logprobs": [lp for lp, _t, _x in lps],
                       "weight_version": meta.get("weight_version"),
                       "finish": (meta.get("finish_reason") or {}).get("type")}  # fmt: skip
-            if self.spec.routes:
-                sample["routed_experts"] = meta.get("routed_experts")
+            if self.spec.routes:  # int32 [len(prompt) + len(output) - 1, layers, top_k]
+                sample["routed_experts"] = routed_experts(meta, self.spec.num_layers,
+                                                          self.spec.top_k)  # fmt: skip
             samples.append(sample)
         return samples
 
@@ -190,6 +197,7 @@ class TrainerActor:
         from onpolicy.layout import ParallelLayout
         from onpolicy.models.hf_layout import load_hf_state_dict
         from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+        from onpolicy.rendezvous import tcp_store
         from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
         from onpolicy.train.step import setup_training
 
@@ -197,8 +205,7 @@ class TrainerActor:
         t0 = time.perf_counter()
         if s.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        store = torch.distributed.TCPStore(s.master_addr, s.master_port, s.world,
-                                           is_master=self.rank == 0)  # fmt: skip
+        store = tcp_store(s.master_addr, s.master_port, s.world, is_master=self.rank == 0)
         dist.init_process_group("nccl" if s.device == "cuda" else "gloo", store=store,
                                 rank=self.rank, world_size=s.world)  # fmt: skip
         self.layout = ParallelLayout(world=s.world, tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp, sp=s.sp)

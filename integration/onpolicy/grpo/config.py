@@ -10,13 +10,14 @@ One TOML file holds both. [model], [training] and [rollout] are the contract's
     [task]       the prompt task and its reward                               TaskConfig
     [run]        run directory, checkpoints, Ray, bind address, metric sinks   RunSettings
 
-Every key is typed; an unknown, missing or mistyped key, or a value outside its range, is a
-`ContractError` naming the key. `--set section.key=value` overrides any of them.
+Every key is typed; an unknown, missing or mistyped key, a value outside its range, or a
+layout the contract's rules refuse, is a `ContractError` naming the key or the rule. `--set section.key=value` overrides any of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from onpolicy.contract.config import (
     read_toml,
 )
 from onpolicy.contract.errors import ContractError
+from onpolicy.contract.rules import validate
 from onpolicy.grpo.task import TaskConfig
 from onpolicy.train.loss import PPOClipConfig
 from onpolicy.train.step import OptimizerSettings
@@ -86,6 +88,9 @@ class RunSettings:
     "disabled"."""
     progress: bool = True
     """Show a progress bar of the run's steps."""
+    cache_dir: str = ""
+    """SGLang's and inductor's compile caches, shared by runs (a warm cache saves the engines'
+    first-step compiles); "" is $XDG_CACHE_HOME/onpolicy or ~/.cache/onpolicy."""
     actor_timeout_s: float = 1800.0
     """Seconds one actor call (a rollout, a training step, a sync) may take before the run
     counts its actor as hung and stops."""
@@ -109,6 +114,13 @@ class E2EConfig:
     @property
     def out_dir(self) -> Path:
         return Path(self.run.out or f"runs/{self.cfg.name or 'run'}")
+
+    @property
+    def cache_dir(self) -> Path:
+        if self.run.cache_dir:
+            return Path(self.run.cache_dir)
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base) / "onpolicy"
 
     def to_dict(self) -> dict:
         """The resolved config as TOML-shaped data (written to the run directory)."""
@@ -166,6 +178,7 @@ def e2e_config_from_dict(data: dict, overrides: dict[str, object] | None = None,
     """The run from TOML data and dotted-key overrides; every section checked."""
     data = apply_overrides(data, overrides)
     cfg = config_from_dict(data)
+    validate(cfg)
     sections = {}
     for name, cls in _TYPES.items():
         table = data.get(name, {})
@@ -173,6 +186,8 @@ def e2e_config_from_dict(data: dict, overrides: dict[str, object] | None = None,
             raise ContractError("config_types", f"{name!r} must be a table", f"write it as [{name}]")
         try:
             sections[name] = from_dict(cls, table, f"{name}.")
+        except ContractError:
+            raise
         except ValueError as err:  # a section's own range check (__post_init__)
             raise ContractError(f"{name}_config", str(err), f"fix [{name}]") from None
     e = E2EConfig(cfg=cfg, source=source, **sections)

@@ -110,16 +110,17 @@ class Driver:
 
     # --- setup ----------------------------------------------------------------------------------
     def _ray_init(self) -> None:
+        r = self.e.run
+        if not r.ray_address and self._loopback:
+            # A local head on 127.0.0.1: Ray 2.60 replaces a loopback node address by the
+            # host's own and its servers bind every interface, unless multi-node mode is off
+            # (read when ray is first imported, so set before it).
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
-        r = self.e.run
         if r.ray_address:
             ray.init(address=r.ray_address, log_to_driver=False, configure_logging=False)
             return
-        # A local head binds bind_address only: Ray takes 127.0.0.1 as a single-node cluster
-        # only when multi-node mode is off (otherwise its servers bind every interface).
-        if r.bind_address in ("127.0.0.1", "localhost"):
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         n = self.bundles
         gpus = torch.cuda.device_count() if self.e.cfg.device == "cuda" else 0
         ray.init(num_cpus=n + 1, num_gpus=gpus, include_dashboard=False,
@@ -181,10 +182,14 @@ class Driver:
         for i in range(r.engines):
             bundle = i * r.tp if r.colocate else t.world + i * r.tp
             env = {**plan.rollout_env, **base,
-                   **engine_env(r.tp, self.out / "engine-cache", c.device)}  # fmt: skip
+                   **engine_env(r.tp, e.cache_dir, c.device)}  # fmt: skip
+            if cuda:  # the engine places its TP ranks on GPUs base_gpu_id.. itself
+                env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
             es = EngineSpec(index=i, ckpt=str(self.ckpt), tp=r.tp, ep=r.ep, dtype=c.model.dtype,
                             device=c.device, exact=e.grpo.rollout_path == "exact",
-                            routes=e.grpo.routing_check, base_gpu_id=0)  # fmt: skip
+                            routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,
+                            top_k=c.shape.num_experts_per_tok,
+                            base_gpu_id=bundle if cuda else 0)  # fmt: skip
             a = Rollout.options(runtime_env={"env_vars": env}, **at(bundle, share)).remote(es)
             self.engines.append(a)
             self.actors.append((f"engine{i}", a))
@@ -244,6 +249,8 @@ class Driver:
         values = self._wait(starts + setups, "start")
         self.engine_info = values[: len(self.engines)]
         self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines):])
+        pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
+        _write_atomic(self.out / "actors.json", json.dumps(pids, indent=1) + "\n")
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
                    for i, h in zip(self.engine_info, self.engines, strict=True)]  # fmt: skip
         self._all(self.trainers, "trainer rank", "connect", proxies)
@@ -351,13 +358,8 @@ class Driver:
 
     def _routing(self, samples: list[dict], trainer_routes: list[torch.Tensor]) -> dict:
         from onpolicy.grpo.routing import routing_mismatch
-        from onpolicy.rollout.routing import decode_routes
 
-        shape = self.e.cfg.shape
-        rollout = [decode_routes(s["routed_experts"], len(s["prompt"]) + len(s["output_ids"]) - 1,
-                                 shape.num_hidden_layers, shape.num_experts_per_tok)
-                   for s in samples]  # fmt: skip
-        bad, rows = routing_mismatch(rollout, trainer_routes)
+        bad, rows = routing_mismatch([s["routed_experts"] for s in samples], trainer_routes)
         return {"train/routing_mismatch": bad / max(rows, 1), "train/routing_rows": rows}
 
     # --- the run --------------------------------------------------------------------------------

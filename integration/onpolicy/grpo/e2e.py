@@ -15,8 +15,10 @@ The run directory (run.out, default runs/<config name>):
     checkpoints/         torch-dist saves every run.checkpoint_every steps (iter_N, latest)
     violation.json       the first differing token of a step that broke the assertion
     bisect/              per-layer captures of both engines (--bisect)
-    engine-cache/        SGLang's and inductor's caches
+    actors.json          each actor's process id, by name ("trainer rank 3", "engine0")
     wandb/               the wandb run (offline unless WANDB_API_KEY is set)
+
+SGLang's and inductor's compile caches go to run.cache_dir (shared by runs).
 """
 
 from __future__ import annotations

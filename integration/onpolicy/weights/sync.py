@@ -94,11 +94,12 @@ class WeightSync:
 
         from sglang.srt.utils.common import init_custom_process_group
 
+        from onpolicy.rendezvous import tcp_store
+
         c = self.config
         world = 1 + sum(e.tp for e in self.engines)
-        store = torch.distributed.TCPStore(c.address, 0, world, is_master=True,
-                                           timeout=timedelta(seconds=c.timeout_s),
-                                           wait_for_workers=False)  # fmt: skip
+        store = tcp_store(c.address, 0, world, is_master=True,
+                          timeout=timedelta(seconds=c.timeout_s))  # fmt: skip
         offset = 1
         for e in self.engines:
             e.send("init_weights_update_group", master_address=c.address, master_port=store.port,

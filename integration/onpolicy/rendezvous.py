@@ -1,0 +1,30 @@
+"""A torch.distributed TCPStore whose server listens on the address it is given, and nowhere else.
+
+torch's TCPStore server binds every interface (`::`), whatever host it is given; the run's
+rendezvous (the trainer's process group, the weight-sync group) must listen on the run's bind
+address only (127.0.0.1 by default). The master binds its own socket there and hands the store
+the listening file descriptor (`master_listen_fd`).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def tcp_store(host: str, port: int, world: int, *, is_master: bool,
+              timeout: timedelta = timedelta(seconds=900)) -> dist.TCPStore:  # fmt: skip
+    """The store at host:port (port 0 on the master: any free one; read it from `.port`)."""
+    if not is_master:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(max(world, 128))
+    bound = sock.getsockname()[1]
+    # detach: the store owns the descriptor from here on (closing it with the store).
+    return dist.TCPStore(host, bound, world, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())  # fmt: skip
