@@ -29,9 +29,9 @@ def test_tiny_config_is_the_published_shape_scaled_down():
 
 
 def test_published_recipe_reads_its_loop_tables(tmp_path):
-    from onpolicy.models import QWEN3_30B_A3B
-
     import json
+
+    from onpolicy.models import QWEN3_30B_A3B
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B.to_hf()))
     e = load_e2e_config(PUBLISHED, {"model.hf_path": str(tmp_path)})

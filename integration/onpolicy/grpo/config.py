@@ -8,10 +8,11 @@ One TOML file holds both. [model], [training] and [rollout] are the contract's
     [optimizer]  Adam, clipping, the distributed optimizer                    OptimizerSettings
     [sync]       how weights reach the engines                                SyncConfig
     [task]       the prompt task and its reward                               TaskConfig
-    [run]        run directory, checkpoints, Ray, bind address, metric sinks   RunSettings
+    [run]        run directory, checkpoints, Ray, bind address, sinks           RunSettings
 
 Every key is typed; an unknown, missing or mistyped key, a value outside its range, or a
-layout the contract's rules refuse, is a `ContractError` naming the key or the rule. `--set section.key=value` overrides any of them.
+layout the contract's rules refuse, is a `ContractError` naming the key or the rule.
+`--set section.key=value` overrides any of them.
 """
 
 from __future__ import annotations
@@ -147,14 +148,20 @@ def _check(e: E2EConfig) -> None:
         if value < 1:
             raise ContractError("grpo_config", f"{key} = {value} must be at least 1", f"set {key}")
     if not g.temperature > 0:
-        raise ContractError("grpo_config", f"grpo.temperature = {g.temperature} must be above 0",
-                            "sample at a positive temperature (the trainer scores at it)")  # fmt: skip
+        raise ContractError(
+            "grpo_config",
+            f"grpo.temperature = {g.temperature} must be above 0",
+            "sample at a positive temperature (the trainer scores at it)",
+        )
     if g.rollout_path not in ("exact", "stock"):
         raise ContractError("grpo_config", f"grpo.rollout_path = {g.rollout_path!r}",
                             "set it to 'exact' or 'stock'")  # fmt: skip
     if g.rollout_path == "stock" and e.cfg.device != "cpu":
-        raise ContractError("grpo_config", "grpo.rollout_path = 'stock' on device "
-                            f"{e.cfg.device!r}", "the stock control runs on the CPU engine")  # fmt: skip
+        raise ContractError(
+            "grpo_config",
+            f"grpo.rollout_path = 'stock' on device {e.cfg.device!r}",
+            "the stock control runs on the CPU engine",
+        )
     if r.checkpoint_every < 0:
         raise ContractError("run_config", f"run.checkpoint_every = {r.checkpoint_every}",
                             "set 0 (never) or a positive step count")  # fmt: skip
@@ -162,11 +169,17 @@ def _check(e: E2EConfig) -> None:
         raise ContractError("run_config", f"run.wandb_mode = {r.wandb_mode!r}",
                             "set auto, offline, online or disabled")  # fmt: skip
     if not r.bind_address:
-        raise ContractError("run_config", "run.bind_address is empty",
-                            "set 127.0.0.1, or the address other hosts reach this one at")  # fmt: skip
+        raise ContractError(
+            "run_config",
+            "run.bind_address is empty",
+            "set 127.0.0.1, or the address other hosts reach this one at",
+        )
     if e.sync.transport == "tensor" and not e.cfg.rollout.colocate:
-        raise ContractError("sync_config", "sync.transport = 'tensor' needs colocated engines "
-                            "(rollout.colocate = true)", "use sync.transport = 'distributed'")  # fmt: skip
+        raise ContractError(
+            "sync_config",
+            "sync.transport = 'tensor' needs colocated engines (rollout.colocate = true)",
+            "use sync.transport = 'distributed'",
+        )
     want = "nccl" if e.cfg.device == "cuda" else "gloo"
     if e.sync.backend != want:
         raise ContractError("sync_config", f"sync.backend = {e.sync.backend!r} on device "
@@ -183,7 +196,9 @@ def e2e_config_from_dict(data: dict, overrides: dict[str, object] | None = None,
     for name, cls in _TYPES.items():
         table = data.get(name, {})
         if not isinstance(table, dict):
-            raise ContractError("config_types", f"{name!r} must be a table", f"write it as [{name}]")
+            raise ContractError(
+                "config_types", f"{name!r} must be a table", f"write it as [{name}]"
+            )
         try:
             sections[name] = from_dict(cls, table, f"{name}.")
         except ContractError:

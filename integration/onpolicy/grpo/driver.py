@@ -150,8 +150,9 @@ class Driver:
         ray.get(self.pg.ready(), timeout=e.run.actor_timeout_s)
 
         def at(bundle: int, share: float):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                        placement_group_bundle_index=bundle)  # fmt: skip
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=bundle
+            )
             return {"scheduling_strategy": strategy, "num_cpus": share,
                     "num_gpus": share if cuda else 0}  # fmt: skip
 
@@ -163,9 +164,10 @@ class Driver:
         # gloo binds the address its host name resolves to unless told the interface.
         base = {RUN_ID_ENV: self.run_id} | ({"GLOO_SOCKET_IFNAME": "lo"} if self._loopback else {})
         t = c.training
+        host = e.run.bind_address
         spec = TrainerSpec(world=t.world, tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, sp=t.sp,
                            dtype=c.model.dtype, device=c.device, ckpt=str(self.ckpt),
-                           master_addr=e.run.bind_address, master_port=_free_port(e.run.bind_address),
+                           master_addr=host, master_port=_free_port(host),
                            optimizer=e.optimizer, loss=e.loss, sync=e.sync,
                            temperature=e.grpo.temperature,
                            micro_batch_tokens=e.grpo.micro_batch_tokens,
@@ -222,8 +224,13 @@ class Driver:
         return ray.get([ref for _, ref in calls])
 
     def _all(self, actors: list[Any], label: str, method: str, *args, **kw) -> list[Any]:
-        calls = [(f"{label} {i}" if label == "trainer rank" else f"engine{i}",
-                  getattr(a, method).remote(*args, **kw)) for i, a in enumerate(actors)]  # fmt: skip
+        calls = [
+            (
+                f"{label} {i}" if label == "trainer rank" else f"engine{i}",
+                getattr(a, method).remote(*args, **kw),
+            )
+            for i, a in enumerate(actors)
+        ]
         return self._wait(calls, method)
 
     def setup(self) -> None:
@@ -248,7 +255,7 @@ class Driver:
         setups = [(f"trainer rank {g}", a.setup.remote()) for g, a in enumerate(self.trainers)]
         values = self._wait(starts + setups, "start")
         self.engine_info = values[: len(self.engines)]
-        self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines):])
+        self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
         pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
         _write_atomic(self.out / "actors.json", json.dumps(pids, indent=1) + "\n")
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
@@ -324,8 +331,12 @@ class Driver:
 
         if self._release:
             self._all(self.engines, "engine", "release_memory")
-        batch = {"sequences": seqs, "response_starts": [len(s["prompt"]) for s in samples],
-                 "rollout_logprobs": [s["logprobs"] for s in samples], "advantages": adv}  # fmt: skip
+        batch = {
+            "sequences": seqs,
+            "response_starts": [len(s["prompt"]) for s in samples],
+            "rollout_logprobs": [s["logprobs"] for s in samples],
+            "advantages": adv,
+        }
         trained = self._all(self.trainers, "trainer rank", "train", batch)[0]
         t_train = time.perf_counter() - t1
         if self._release:
