@@ -7,7 +7,7 @@ nox -s build                 install torch CPU, patched megatron-core, patched s
 nox -s build -- --gpu        the same with the CUDA dependency set (GPU hosts)
 nox -s patches               apply both patch series into build/upstream/ and check them
 nox -s lint                  pre-commit: ruff, ruff-format, patch check
-nox -s bench                 CPU benchmarks: collectives, train step, rollout, weight sync
+nox -s bench                 CPU benchmarks: collectives, train step, rollout, weight sync, e2e
 nox -s bench -- --gpu        the exact kernels vs cuBLAS/SDPA and the full-size check (CUDA host)
 nox -s parity                SGLang samples, Megatron scores: log-probs bitwise per layout pair
 nox -s convert -- ...        `onpolicy convert`: HF <-> Megatron torch-dist checkpoints, reshard
@@ -131,7 +131,8 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (not timed tests), recorded in docs/benchmarks.md: bytes per rank of the exact
     collectives, the training-step time of the exact vs the local spec, the rollout tokens/s
-    of the exact vs the stock engine and the time and bytes of a weight sync; with `-- --gpu`
+    of the exact vs the stock engine, the time and bytes of a weight sync and the tiny GRPO
+    run's wall time per phase; with `-- --gpu`
     (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch and the full-size prefill ==
     decode check instead."""
     if "--gpu" in session.posargs:
@@ -153,6 +154,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "onpolicy.bench.rollout", "--out", str(ROOT / "docs/benchmarks.md"))
     session.run("python", "-m", "onpolicy.bench.weight_sync", "--out",
                 str(ROOT / "docs/benchmarks.md"))  # fmt: skip
+    session.run("python", "-m", "onpolicy.bench.e2e", "--out", str(ROOT / "docs/benchmarks.md"),
+                env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})  # fmt: skip
 
 
 @nox.session(python="3.11", default=False)

@@ -16,6 +16,7 @@ The run directory (run.out, default runs/<config name>):
     violation.json       the first differing token of a step that broke the assertion
     bisect/              per-layer captures of both engines (--bisect)
     actors.json          each actor's process id, by name ("trainer rank 3", "engine0")
+    times.json           setup, Ray start, slowest trainer setup, teardown and wall seconds
     wandb/               the wandb run (offline unless WANDB_API_KEY is set)
 
 SGLang's and inductor's compile caches go to run.cache_dir (shared by runs).
@@ -128,12 +129,14 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}")
         if any(used):
             code = code or 3
+    wall = time.perf_counter() - t0
+    if driver.out.is_dir():
+        _write(driver.out / "times.json", {**driver.times, "wall_s": wall, "exit": code})
     if rows:
         say(format_table(rows))
     if "teardown_s" in driver.times:
         say(f"onpolicy e2e: teardown {driver.times['teardown_s']:.1f} s")
-    say(f"onpolicy e2e: {'done' if code == 0 else f'stopped (exit {code})'} in "
-        f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+    say(f"onpolicy e2e: {'done' if code == 0 else f'stopped (exit {code})'} in {wall:.1f} s")
     return code
 
 
