@@ -259,11 +259,23 @@ def attention_decode_and_chunks_equal_packed_prefill() -> None:
     vp = torch.full((pages + 5, page, hkv, d), float("nan"))
     pos = torch.arange(n)
     kp[table[pos // page], pos % page], vp[table[pos // page], pos % page] = k, v
-    for chunk in (1, 7, 64, 150):
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            got = attention.paged_attention(q[lo:hi], kp, vp, [0, hi - lo], [table], [hi])
-            assert_bitwise(got, full[lo:hi], f"chunk {chunk} at {lo}")
+    # Partitions of 64 keys (one block) so that 150 keys cross two partition boundaries:
+    # packed prefill merges them in registers (fused), chunks and decode through the
+    # workspace (split); both must give the same bits. Control: 128-key partitions differ.
+    saved = attention.KV_PARTITION, attention.SPLIT_BELOW
+    try:
+        attention.KV_PARTITION, attention.SPLIT_BELOW = 64, 0
+        full = attention.attention(q, k, v, [0, n])
+        attention.SPLIT_BELOW = 1 << 30
+        for chunk in (1, 7, 64, 150):
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                got = attention.paged_attention(q[lo:hi], kp, vp, [0, hi - lo], [table], [hi])
+                assert_bitwise(got, full[lo:hi], f"chunk {chunk} at {lo}")
+        attention.KV_PARTITION = 128
+        differ(attention.attention(q, k, v, [0, n]), full, "128-key partitions")
+    finally:
+        attention.KV_PARTITION, attention.SPLIT_BELOW = saved
 
 
 @check
@@ -327,6 +339,11 @@ def moe_grouped_rows_equal_linear_per_expert() -> None:
     assert mask.any() and (~mask).any(), "the local experts hold all slots or none"
     assert_bitwise(local[mask], out[mask], "local experts' slots")
     assert_bitwise(local[~mask], torch.zeros_like(local[~mask]), "other slots")
+    assert t * top > moe.SMALL_PAIRS >= 6 * top, "both schedules must run"
+    small = moe.expert_outputs(x[9:15], ids[9:15], wg, wu, wd)  # one tile per pair, unsorted
+    assert_bitwise(small, out[9:15], "small batch vs the sorted schedule")
+    small = moe.expert_outputs(x[9:15], ids[9:15], wg, wu, wd, local_experts=[1, 4])
+    assert_bitwise(small, local[9:15], "small batch, local experts")
     assert_bitwise(moe.moe(x, gate, wg, wu, wd, top), cpu_moe.combine(out, ids, weights), "moe")
 
     logits64, lb = x.double() @ gate.double().T, dot_bound(x, gate)

@@ -3,17 +3,28 @@ paged cache, and decode.
 
 A program owns one KV head and BLOCK_M query rows, a row being one (token, query head of that
 KV head's group) pair, so decode packs the group's heads into one tile just as prefill packs
-tokens. Keys are folded in KV_BLOCK-wide blocks from position 0 upwards, per row:
+tokens. Keys are cut into partitions of KV_PARTITION positions at fixed absolute offsets
+(0, P, 2P, ...: the same for every request, length and batch). Inside a partition the keys are
+folded in KV_BLOCK-wide blocks from the partition's start, per row:
 1. s = q . k by one tensor-core product over head_dim, times scale, fp32; keys past the row's
    position are -inf;
 2. m' = max(m, max s); a = exp(m - m'); p = exp(s - m');
 3. l' = l * a + sum(p); acc' = acc * a + p . v (p rounded to v's dtype for the product);
 4. a block holding no key <= the row's position leaves (m, l, acc) untouched;
-5. out = acc / l, rounded once.
-The tile shape is fixed, rows never mix inside a product, and a row's keys are the same block
-for block whether they come from the packed tensor or from pages; so a token's output does not
-depend on the batch, the chunking, or prefill vs decode. The KV is never split across programs
-(see docs/exactness.md for what that costs decode at small batch).
+which gives each partition's state (m, l, acc) from (-inf, 0, 0). The states of the partitions
+a row sees are merged in position order, `_merge`: M = max(m, m_p), l = l e^(m - M) +
+l_p e^(m_p - M), acc likewise; out = acc / l, rounded once.
+
+Two schedules run that same arithmetic. Fused (`SPLIT` off): one program walks every partition
+of its tile and merges in registers. Split: one program per (tile, KV head, partition) writes
+the partition's state to a workspace, and `_merge_kernel` merges them in the same order; so a
+short batch of long contexts still fills the GPU (flash-decoding, at fixed positions). Floating
+point contraction is off in both kernels (`enable_fp_fusion=False`): every mul and add is
+rounded on its own, so the merge's expression gives the same bits in either kernel. The tile
+shape and warps are fixed, rows never mix inside a product, and a row's keys are the same
+blocks and partitions whether they come from the packed tensor or from pages, whichever
+schedule runs: a token's output does not depend on the batch, the chunking, or prefill vs
+decode.
 """
 
 from __future__ import annotations
@@ -24,44 +35,44 @@ import torch
 import triton
 import triton.language as tl
 
-from onpolicy.kernels.cpu.attention import _scale, _spans, varlen_with_native_grad
+from onpolicy.kernels.cpu.attention import _scale, varlen_with_native_grad
 from onpolicy.kernels.rules import KV_BLOCK
 
 BLOCK_M, NUM_WARPS, NUM_STAGES = 64, 4, 2
 """The one tile configuration: 64 (token, head) rows per program, one KV head."""
+
+KV_PARTITION = 512
+"""Keys per partition: partitions start at absolute positions 0, 512, 1024, ... for every
+request (a multiple of KV_BLOCK). Part of the bits: prefill and decode must agree on it."""
+
+SPLIT_BELOW = 4 * 132
+"""Split the partitions over programs when the fused grid (tiles x KV heads) is smaller than
+this (about four programs per SM of an H200). Either schedule gives the same bits."""
 
 _UNPAGED = 1 << 30
 """Page size that makes a packed [T, Hkv, D] tensor one page per sequence."""
 
 
 @triton.jit
-def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, tile_req_ptr, tile_row_ptr, q_start_ptr, n_new_ptr, kv_len_ptr,
-    kv_base_ptr, pages_ptr, stride_pages, page_size,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    IEEE: tl.constexpr,
-):  # fmt: skip
-    pid, kvh = tl.program_id(0), tl.program_id(1)
-    req = tl.load(tile_req_ptr + pid)
-    f0 = tl.load(tile_row_ptr + pid)
-    q0 = tl.load(q_start_ptr + req)
-    n_new = tl.load(n_new_ptr + req)
-    kv_len = tl.load(kv_len_ptr + req)
-    kv_base = tl.load(kv_base_ptr + req)
-    f = f0 + tl.arange(0, BM)
-    tok, head = f // G, f % G
-    row_ok = tok < n_new
-    q_pos = kv_len - n_new + tok
+def _merge(m, denom, acc, m_p, denom_p, acc_p):
+    """Partition state (m_p, denom_p, acc_p) joins the running one; m_p is finite."""
+    m_new = tl.maximum(m, m_p)
+    a = tl.exp(m - m_new)
+    b = tl.exp(m_p - m_new)
+    return m_new, denom * a + denom_p * b, acc * a[:, None] + acc_p * b[:, None]
+
+
+@triton.jit
+def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
+               q_pos, row_ok, lo0, hi, kvh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
+               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               IEEE: tl.constexpr):  # fmt: skip
+    """The state (m, l, acc) of keys [lo0, hi) for each row, from (-inf, 0, 0)."""
     d = tl.arange(0, D)
-    q_rows = (q0 + tok).to(tl.int64) * stride_qt + (kvh * G + head) * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    last_tok = tl.minimum((f0 + BM - 1) // G, n_new - 1)
-    hi = kv_len - n_new + last_tok + 1
     m = tl.full((BM,), float("-inf"), tl.float32)
     denom = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
-    for lo in range(0, hi, BN):
+    for lo in range(lo0, hi, BN):
         kp = lo + tl.arange(0, BN)
         kp_ok = kp < kv_len
         page = tl.load(pages_ptr + req * stride_pages + kp // page_size, mask=kp_ok, other=0)
@@ -89,46 +100,183 @@ def _attn_kernel(
         m = tl.where(live, m_new, m)
         denom = tl.where(live, denom_new, denom)
         acc = tl.where(live[:, None], acc_new, acc)
+    return m, denom, acc
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, ws_ptr, sched_ptr, n_tiles, pages_ptr, stride_pages, page_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = tl.load(sched_ptr + pid)  # the schedule: 6 rows of n_tiles int64 (see _schedule)
+    if req < 0:
+        return
+    f0 = tl.load(sched_ptr + n_tiles + pid)
+    q0 = tl.load(sched_ptr + 2 * n_tiles + pid)
+    n_new = tl.load(sched_ptr + 3 * n_tiles + pid)
+    kv_len = tl.load(sched_ptr + 4 * n_tiles + pid)
+    kv_base = tl.load(sched_ptr + 5 * n_tiles + pid)
+    f = f0 + tl.arange(0, BM)
+    tok, head = f // G, f % G
+    row_ok = tok < n_new
+    q_pos = kv_len - n_new + tok
+    d = tl.arange(0, D)
+    q_rows = (q0 + tok).to(tl.int64) * stride_qt + (kvh * G + head) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    last_tok = tl.minimum((f0 + BM - 1) // G, n_new - 1)
+    hi = kv_len - n_new + last_tok + 1
+    if SPLIT:  # this program's partition only; its state goes to the workspace
+        lo0 = part * P
+        if lo0 >= hi:
+            return
+        m, denom, acc = _partition(
+            q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
+            row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh, stride_vt,
+            stride_vh, scale, D, BM, BN, IEEE,
+        )  # fmt: skip
+        at = ((pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + part).to(tl.int64)
+        st = ws_ptr + at * BM * (D + 2)
+        ok = row_ok & (q_pos >= lo0)
+        tl.store(st + tl.arange(0, BM), m, mask=ok)
+        tl.store(st + BM + tl.arange(0, BM), denom, mask=ok)
+        tl.store(st + 2 * BM + tl.arange(0, BM)[:, None] * D + d[None, :], acc,
+                 mask=ok[:, None])  # fmt: skip
+    else:
+        m, denom, acc = _partition(
+            q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
+            row_ok, 0, tl.minimum(P, hi), kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+            scale, D, BM, BN, IEEE,
+        )  # fmt: skip
+        for lo0 in range(P, hi, P):
+            m_p, denom_p, acc_p = _partition(
+                q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
+                q_pos, row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
+                stride_vt, stride_vh, scale, D, BM, BN, IEEE,
+            )  # fmt: skip
+            m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
+            sees = q_pos >= lo0
+            m = tl.where(sees, m_j, m)
+            denom = tl.where(sees, denom_j, denom)
+            acc = tl.where(sees[:, None], acc_j, acc)
+        out = acc / denom[:, None]
+        o_rows = (q0 + tok).to(tl.int64) * stride_ot + (kvh * G + head) * stride_oh
+        tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])  # fmt: skip
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr, ws_ptr, sched_ptr, n_tiles, stride_ot, stride_oh,
+    parts, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, P: tl.constexpr,
+):  # fmt: skip
+    """The split schedule's end: a (tile, KV head)'s partition states merged in order."""
+    pid, kvh = tl.program_id(0), tl.program_id(1)
+    req = tl.load(sched_ptr + pid)
+    if req < 0:
+        return
+    f0 = tl.load(sched_ptr + n_tiles + pid)
+    q0 = tl.load(sched_ptr + 2 * n_tiles + pid)
+    n_new = tl.load(sched_ptr + 3 * n_tiles + pid)
+    kv_len = tl.load(sched_ptr + 4 * n_tiles + pid)
+    f = f0 + tl.arange(0, BM)
+    tok, head = f // G, f % G
+    row_ok = tok < n_new
+    q_pos = kv_len - n_new + tok
+    d = tl.arange(0, D)
+    r = tl.arange(0, BM)
+    base = ((pid * tl.num_programs(1) + kvh) * parts).to(tl.int64) * BM * (D + 2)
+    m = tl.load(ws_ptr + base + r, mask=row_ok, other=0.0)
+    denom = tl.load(ws_ptr + base + BM + r, mask=row_ok, other=1.0)
+    acc = tl.load(ws_ptr + base + 2 * BM + r[:, None] * D + d[None, :], mask=row_ok[:, None],
+                  other=0.0)  # fmt: skip
+    last_tok = tl.minimum((f0 + BM - 1) // G, n_new - 1)
+    hi = kv_len - n_new + last_tok + 1
+    for part in range(1, tl.cdiv(hi, P)):
+        sees = row_ok & (q_pos >= part * P)
+        st = ws_ptr + base + part * BM * (D + 2)
+        m_p = tl.load(st + r, mask=sees, other=0.0)
+        denom_p = tl.load(st + BM + r, mask=sees, other=0.0)
+        acc_p = tl.load(st + 2 * BM + r[:, None] * D + d[None, :], mask=sees[:, None], other=0.0)
+        m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
+        m = tl.where(sees, m_j, m)
+        denom = tl.where(sees, denom_j, denom)
+        acc = tl.where(sees[:, None], acc_j, acc)
     out = acc / denom[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + (kvh * G + head) * stride_oh
     tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None])  # fmt: skip
 
 
-def _launch(q, k_rows, v_rows, q_starts, n_new, kv_lens, kv_base, pages, page_size, scale):
-    """q [T, Hq, D]; k_rows, v_rows [rows, Hkv, D]; per-request lists; pages [R, P] on device."""
+def _schedule(q_starts, n_new, kv_lens, kv_base, g: int, n_tokens: int, dev) -> torch.Tensor:
+    """[6, n_tiles] int64 on `dev`: per M-tile its request (-1: unused), first row, and the
+    request's first token, new tokens, keys and base row. Built on the device from device
+    tensors (no host sync; n_tiles is the bound n_tokens * g / BLOCK_M + requests), or on the
+    host from lists (one copy)."""
+    if isinstance(n_new, torch.Tensor):
+        r = n_new.numel()
+        if r == 0:
+            return torch.empty(6, 0, dtype=torch.int64, device=dev)
+        per = (n_new * g + BLOCK_M - 1) // BLOCK_M
+        ends = torch.cumsum(per, 0)
+        slots = torch.arange(n_tokens * g // BLOCK_M + r, device=dev)
+        req = torch.searchsorted(ends, slots, right=True)
+        rc = req.clamp(max=r - 1)
+        row = (slots - (ends - per)[rc]) * BLOCK_M
+        cols = [torch.where(req < r, req, -1), row, q_starts[rc], n_new[rc], kv_lens[rc],
+                kv_base[rc]]  # fmt: skip
+        return torch.stack([c.to(torch.int64) for c in cols])
+    rows: list[list[int]] = [[], [], [], [], [], []]
+    for i, n in enumerate(n_new):
+        for f0 in range(0, n * g, BLOCK_M):
+            for col, val in zip(rows, (i, f0, q_starts[i], n, kv_lens[i], kv_base[i]),
+                                strict=True):  # fmt: skip
+                col.append(val)
+    return torch.tensor(rows, dtype=torch.int64).to(dev)
+
+
+def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int):
+    """q [T, Hq, D]; k_rows, v_rows [rows, Hkv, D]; the schedule; pages [R, P] on device;
+    max_keys bounds every request's keys (it sizes the split grid)."""
     t, hq, d = q.shape
     hkv = k_rows.shape[1]
+    g = hq // hkv
+    out = torch.empty_like(q)
+    n_tiles = sched.shape[1]
+    if n_tiles == 0 or t == 0:
+        return out
+    parts = max(1, triton.cdiv(max_keys, KV_PARTITION))
+    split = parts > 1 and n_tiles * hkv < SPLIT_BELOW
+    ws = (torch.empty(n_tiles * hkv * parts * BLOCK_M * (d + 2), dtype=torch.float32,
+                      device=q.device) if split else out)  # fmt: skip
+    common = dict(G=g, D=d, BM=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    _attn_kernel[(n_tiles, hkv, parts if split else 1)](
+        q, k_rows, v_rows, out, ws, sched, n_tiles, pages, pages.stride(0), page_size,
+        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
+        v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
+        scale, BN=KV_BLOCK, P=KV_PARTITION, SPLIT=split, IEEE=q.dtype == torch.float32,
+        num_stages=NUM_STAGES, **common,
+    )  # fmt: skip
+    if split:
+        _merge_kernel[(n_tiles, hkv)](
+            out, ws, sched, n_tiles, out.stride(0), out.stride(1), parts, P=KV_PARTITION,
+            **common,
+        )  # fmt: skip
+    return out
+
+
+def _check_shapes(q: torch.Tensor, hkv: int) -> None:
+    hq, d = q.shape[1], q.shape[2]
     if hq % hkv:
         raise ValueError(f"attention: {hq} query heads is not a multiple of {hkv} kv heads")
     if d < 16 or d & (d - 1):
         raise ValueError(f"attention: head_dim {d} must be a power of 2 >= 16 on CUDA")
-    for n, kv in zip(n_new, kv_lens, strict=True):
-        if n > kv:
-            raise ValueError(f"attention: {n} new tokens but only {kv} keys in the cache")
-    g = hq // hkv
-    out = torch.empty_like(q)
-    tile_req, tile_row = [], []
-    for i, n in enumerate(n_new):
-        starts = range(0, n * g, BLOCK_M)
-        tile_req += [i] * len(starts)
-        tile_row += list(starts)
-    if not tile_req:
-        return out
-    dev = q.device
 
-    def ints(xs):
-        return torch.tensor(xs, dtype=torch.int64, device=dev)
 
-    _attn_kernel[(len(tile_req), hkv)](
-        q, k_rows, v_rows, out, ints(tile_req), ints(tile_row), ints(q_starts), ints(n_new),
-        ints(kv_lens), ints(kv_base), pages, pages.stride(0), page_size,
-        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
-        v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
-        scale, G=g, D=d, BM=BLOCK_M, BN=KV_BLOCK, IEEE=q.dtype == torch.float32,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
-    return out
+def _host_ints(xs) -> list[int]:
+    return [int(x) for x in (xs.tolist() if isinstance(xs, torch.Tensor) else xs)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -136,11 +284,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen_exact(q, k, v, cu_seqlens, scale):
-    spans = _spans(cu_seqlens)
-    lens = [b - a for a, b in spans]
-    pages = torch.zeros(len(spans), 1, dtype=torch.int64, device=q.device)
-    starts = [a for a, _ in spans]
-    return _launch(_rows(q), _rows(k), _rows(v), starts, lens, lens, starts, pages, _UNPAGED, scale)
+    cu = _host_ints(cu_seqlens)
+    _check_shapes(q, k.shape[1])
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    sched = _schedule(starts, lens, lens, starts, q.shape[1] // k.shape[1], q.shape[0], q.device)
+    pages = torch.zeros(1, 1, dtype=torch.int64, device=q.device)
+    return _launch(_rows(q), _rows(k), _rows(v), sched, pages[:, :1].expand(len(lens), 1),
+                   _UNPAGED, scale, max(lens, default=0))  # fmt: skip
 
 
 def attention(
@@ -165,22 +315,50 @@ def paged_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a paged cache [num_pages, page_size, Hkv, D]; the
-    new tokens of request i sit at positions kv_lens[i] - n_new .. kv_lens[i] - 1."""
-    spans = _spans(cu_seqlens_q)
-    if not spans:
-        return q.new_zeros(q.shape)
+    new tokens of request i sit at positions kv_lens[i] - n_new .. kv_lens[i] - 1.
+
+    Device path (a decode step with no host sync): `cu_seqlens_q` and `kv_lens` CUDA tensors
+    and `page_tables` one [requests, pages] CUDA tensor. The page count bounds the keys, and the
+    tables and lengths are the caller's to keep consistent (they are not read on the host).
+    Given as lists, they are checked first."""
     num_pages, page_size, hkv, d = k_pages.shape
+    _check_shapes(q, hkv)
     k_rows = k_pages.reshape(num_pages * page_size, hkv, d)
     v_rows = v_pages.reshape(num_pages * page_size, hkv, d)
-    kv_lens = [int(n) for n in kv_lens]
-    tables = [torch.as_tensor(t, device=q.device).long() for t in page_tables]
-    pages = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+    g = q.shape[1] // hkv
+    on_device = (isinstance(page_tables, torch.Tensor) and isinstance(kv_lens, torch.Tensor)
+                 and isinstance(cu_seqlens_q, torch.Tensor) and kv_lens.is_cuda
+                 and cu_seqlens_q.is_cuda)  # fmt: skip
+    if on_device:
+        pages = page_tables.to(q.device, torch.int64)
+        if pages.shape[1] == 0:
+            return q.new_zeros(q.shape)
+        cu = cu_seqlens_q.to(torch.int64)
+        n_new = cu[1:] - cu[:-1]
+        lens = kv_lens.to(torch.int64)
+        sched = _schedule(cu[:-1], n_new, lens, torch.zeros_like(lens), g, q.shape[0], q.device)
+        return _launch(_rows(q), k_rows, v_rows, sched, pages, page_size, _scale(q, scale),
+                       pages.shape[1] * page_size)  # fmt: skip
+    cu = _host_ints(cu_seqlens_q)
+    if len(cu) < 2:
+        return q.new_zeros(q.shape)
+    lens = _host_ints(kv_lens)
+    n_new = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    if isinstance(page_tables, torch.Tensor):
+        pages = page_tables.to(q.device, torch.int64)
+        widths = [pages.shape[1]] * pages.shape[0]
+    else:
+        tables = [torch.as_tensor(t, device=q.device).long() for t in page_tables]
+        widths = [t.numel() for t in tables]
+        same = len(set(widths)) == 1
+        pages = torch.stack(tables) if same else torch.nn.utils.rnn.pad_sequence(tables, True)
     if pages.shape[1] == 0:
-        pages = torch.zeros(len(spans), 1, dtype=torch.int64, device=q.device)
-    for i, (t, n) in enumerate(zip(tables, kv_lens, strict=True)):
-        if t.numel() * page_size < n:
-            raise ValueError(f"paged_attention: request {i} has {n} keys but {t.numel()} pages")
-    return _launch(
-        _rows(q), k_rows, v_rows, [a for a, _ in spans], [b - a for a, b in spans], kv_lens,
-        [0] * len(spans), pages, page_size, _scale(q, scale),
-    )  # fmt: skip
+        pages = torch.zeros(len(n_new), 1, dtype=torch.int64, device=q.device)
+    for i, (n, kv, w) in enumerate(zip(n_new, lens, widths, strict=True)):
+        if n > kv:
+            raise ValueError(f"attention: {n} new tokens but only {kv} keys in the cache")
+        if w * page_size < kv:
+            raise ValueError(f"paged_attention: request {i} has {kv} keys but {w} pages")
+    sched = _schedule(cu[:-1], n_new, lens, [0] * len(lens), g, q.shape[0], q.device)
+    return _launch(_rows(q), k_rows, v_rows, sched, pages, page_size, _scale(q, scale),
+                   max(lens, default=0))  # fmt: skip

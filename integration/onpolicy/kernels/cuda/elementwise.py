@@ -21,6 +21,10 @@ from onpolicy.kernels.cpu import rope as _torch_rope
 from onpolicy.kernels.cpu.activation import _silu_mul_native
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _width_config(width: int) -> tuple[int, int]:
     """(block, warps) for a row of `width`: a function of the width only."""
     block = triton.next_power_of_2(max(width, 16))
@@ -121,7 +125,9 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
         raise ValueError(f"rope: table is for head_dim {table.shape[-1]}, x has {d}")
     if half & (half - 1):
         raise ValueError(f"rope: head_dim {d} must be twice a power of 2 on CUDA")
-    if positions.numel() and int(positions.max()) >= table.shape[0]:
+    if positions.numel() and _capturing():  # no host read while a CUDA graph is captured
+        torch._assert_async(positions.max() < table.shape[0], "rope: position past the table")
+    elif positions.numel() and int(positions.max()) >= table.shape[0]:
         raise ValueError(
             f"rope: position {int(positions.max())} is past the table's {table.shape[0]} positions"
         )
@@ -173,7 +179,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     v, h = weight.shape
     flat = ids.reshape(-1).to(weight.device)
     outside = (flat < 0) | (flat >= v)
-    if bool(outside.any()):  # a gather past the table would read other memory silently
+    # A gather past the table would read other memory silently. While a CUDA graph is captured
+    # the host cannot read the ids: the check becomes a device-side assert.
+    if _capturing():
+        torch._assert_async(~outside.any(), "embedding: a token id is outside the vocab")
+    elif bool(outside.any()):
         raise IndexError(f"embedding: token id {int(flat[outside][0])} is outside the vocab of {v}")
     out = torch.empty(flat.numel(), h, dtype=weight.dtype, device=weight.device)
     if flat.numel():

@@ -25,13 +25,26 @@ from onpolicy.kernels import autograd as _shared
 from onpolicy.kernels.rules import K_BLOCK, MMA_LEAF
 from onpolicy.kernels.tree import combine_partials
 
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 8, 3
-"""The one tile configuration. The tree stack lives in registers, one fp32 tile per level, so
-the tile is small: eight warps over 64x64 hold every level up to K = 8192 without spilling
-(ptxas: 97 registers at K = 768, 191 at 2048, 248 at 8192)."""
+Tile = tuple[int, int, int, int]
+"""(BLOCK_M, BLOCK_N, warps, pipeline stages) of one launch."""
+
+SMALL_M: Tile = (64, 32, 4, 4)
+LARGE_M: Tile = (64, 64, 8, 3)
+FORCE: Tile | None = None
+"""Tests set this to run every launch at one tile (the bits must not change)."""
+
+
+def tile_for(m: int, n: int) -> Tile:
+    """The launch's tile, chosen from the problem's size. Any tile gives the same bits: a tile
+    only decides which outputs one program computes, never the order of an output's sum
+    (`tests/gpu/test_cuda_kernels.py` runs every tile on the same rows)."""
+    if FORCE is not None:
+        return FORCE
+    return SMALL_M if m <= 256 else LARGE_M
+
 
 MAX_LEVELS = 7
-"""Levels of the stack the kernel is compiled with: K below 2^7 leaves."""
+"""Stack levels the kernel can hold: fewer than 2^7 + 1 leaves."""
 
 LEAF_CHUNKS = MMA_LEAF // K_BLOCK
 """K_BLOCK-wide chunks chained into one leaf."""
@@ -39,7 +52,7 @@ LEAF_CHUNKS = MMA_LEAF // K_BLOCK
 
 @triton.jit
 def _push(c, s0, s1, s2, s3, s4, s5, s6, j, LEVELS: tl.constexpr):
-    """Block j's partial c enters the stack: merge it with every full level (the trailing one
+    """Leaf j's partial c enters the stack: merge it with every full level (the trailing one
     bits of j), then park the sum at the first free level. Only LEVELS levels are compiled, so
     a short K keeps no dead accumulators in registers."""
     if LEVELS > 1 and j & 1:
@@ -71,28 +84,26 @@ def _push(c, s0, s1, s2, s3, s4, s5, s6, j, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _fold(s0, s1, s2, s3, s4, s5, s6, n: tl.constexpr):
-    """The tree's root after n blocks: the occupied levels (set bits of n), lowest first, each
-    added onto the level above, as the odd-carry pairwise tree does."""
-    acc = s0
-    have = n & 1
+def _root(c, s0, s1, s2, s3, s4, s5, s6, n: tl.constexpr):
+    """The tree's root once the last leaf c joins a stack that holds n leaves: c is pushed
+    onto every occupied level (the set bits of n), lowest first. That is `_push` of leaf n
+    followed by the odd-carry fold of the levels, without parking c: one stack level fewer
+    stays live through the loop."""
+    acc = c
+    if n & 1:
+        acc = s0 + acc
     if n & 2:
-        acc = (s1 + acc) if have else s1
-        have = 1
+        acc = s1 + acc
     if n & 4:
-        acc = (s2 + acc) if have else s2
-        have = 1
+        acc = s2 + acc
     if n & 8:
-        acc = (s3 + acc) if have else s3
-        have = 1
+        acc = s3 + acc
     if n & 16:
-        acc = (s4 + acc) if have else s4
-        have = 1
+        acc = s4 + acc
     if n & 32:
-        acc = (s5 + acc) if have else s5
-        have = 1
+        acc = s5 + acc
     if n & 64:
-        acc = (s6 + acc) if have else s6
+        acc = s6 + acc
     return acc
 
 
@@ -126,23 +137,35 @@ def _tree_mm_kernel(
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     s0, s1, s2, s3, s4, s5, s6 = zero, zero, zero, zero, zero, zero, zero
     c = zero
-    for j in range(NUM_CHUNKS):
+    # Every leaf but the last: chained into c, then pushed onto the stack.
+    for j in range((NUM_LEAVES - 1) * LEAF):
         kk = j * BK + rk
-        if EVEN_K:  # no K mask: a mask the compiler cannot prove uniform stops pipelining
+        a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+        b = tl.load(w_cols + kk[:, None], mask=n_ok[None, :], other=0.0)
+        c = tl.where(j % LEAF == 0, 0.0, c)  # a leaf starts from a zero accumulator
+        if IEEE:
+            c = tl.dot(a, b, c, input_precision="ieee")
+        else:
+            c = tl.dot(a, b, c)
+        if j % LEAF == LEAF - 1:
+            s0, s1, s2, s3, s4, s5, s6 = _push(c, s0, s1, s2, s3, s4, s5, s6, j // LEAF, LEVELS)
+    # The last leaf (the only one that may be short): its own loop, so the loop above has no
+    # K mask (a mask the compiler cannot prove uniform stops pipelining).
+    c = zero
+    for j in range((NUM_LEAVES - 1) * LEAF, NUM_CHUNKS):
+        kk = j * BK + rk
+        if EVEN_K:
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
             b = tl.load(w_cols + kk[:, None], mask=n_ok[None, :], other=0.0)
         else:
             k_ok = kk < K
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        c = tl.where(j % LEAF == 0, 0.0, c)  # a leaf starts from a zero accumulator
         if IEEE:
             c = tl.dot(a, b, c, input_precision="ieee")
         else:
             c = tl.dot(a, b, c)
-        if (j % LEAF == LEAF - 1) | (j == NUM_CHUNKS - 1):
-            s0, s1, s2, s3, s4, s5, s6 = _push(c, s0, s1, s2, s3, s4, s5, s6, j // LEAF, LEVELS)
-    acc = _fold(s0, s1, s2, s3, s4, s5, s6, NUM_LEAVES)
+    acc = _root(c, s0, s1, s2, s3, s4, s5, s6, NUM_LEAVES - 1)
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if OUT_FP32:
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -152,9 +175,9 @@ def _tree_mm_kernel(
 
 def _num_leaves(k: int) -> int:
     leaves = max(1, -(-k // MMA_LEAF))
-    if leaves >= 1 << MAX_LEVELS:
+    if leaves > 1 << MAX_LEVELS:
         raise ValueError(
-            f"linear: K = {k} needs {leaves} leaves; the kernel holds < {1 << MAX_LEVELS}"
+            f"linear: K = {k} needs {leaves} leaves; the kernel holds at most {1 << MAX_LEVELS}"
         )
     return leaves
 
@@ -163,12 +186,13 @@ def tree_mm(
     x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None,
     rows: torch.Tensor | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    out_rows: int | None = None,
+    out_rows: int | None = None, tile: Tile | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight[N, K].T by the block tree; fp32 out unless `out_dtype`.
 
     Grouped (MoE): weight is [E, N, K], `tiles` = (expert, first row, end row) per M-tile of
-    the output, `rows` [out_rows] the row of x each output row reads (None: the same row).
+    the output, `rows` [out_rows] the row of x each output row reads (None: the same row), and
+    `tile` the tile the table was cut for (its BLOCK_M rows per M-tile).
     """
     k = x.shape[-1]
     if weight.shape[-1] != k:
@@ -181,21 +205,22 @@ def tree_mm(
     m = x.shape[0] if out_rows is None else out_rows
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or torch.float32)
     grouped = tiles is not None
-    n_tiles = tiles[0].numel() if grouped else triton.cdiv(m, BLOCK_M)
+    bm, bn, warps, stages = tile or tile_for(m, n)
+    n_tiles = tiles[0].numel() if grouped else triton.cdiv(m, bm)
     if m == 0 or n == 0 or n_tiles == 0:
         return out.zero_()
     dummy = out
     leaves = _num_leaves(k)
     te, ts, tend = tiles if grouped else (dummy, dummy, dummy)
-    _tree_mm_kernel[(n_tiles, triton.cdiv(n, BLOCK_N))](
+    _tree_mm_kernel[(n_tiles, triton.cdiv(n, bn))](
         x, weight, out, rows if rows is not None else dummy,
         te, ts, tend, m, n, k, x.stride(0), weight.stride(0) if grouped else 0,
         weight.stride(-2), out.stride(0),
         GATHER=rows is not None, GROUPED=grouped,
         OUT_FP32=out_dtype is None, NUM_CHUNKS=max(1, -(-k // K_BLOCK)), LEAF=LEAF_CHUNKS,
-        NUM_LEAVES=leaves, LEVELS=leaves.bit_length(), EVEN_K=k % K_BLOCK == 0,
-        BM=BLOCK_M, BN=BLOCK_N, BK=K_BLOCK, IEEE=x.dtype == torch.float32,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES if x.dtype != torch.float32 else 1,
+        NUM_LEAVES=leaves, LEVELS=(leaves - 1).bit_length(), EVEN_K=k % K_BLOCK == 0,
+        BM=bm, BN=bn, BK=K_BLOCK, IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages if x.dtype != torch.float32 else 1,
     )  # fmt: skip
     return out
 

@@ -1,25 +1,34 @@
-"""Exact MoE (CUDA): the router, a grouped block-tree GEMM over all experts, the combine.
+"""Exact MoE (CUDA): the router, a grouped block-tree GEMM over the touched experts, the
+combine.
 
-- Router: the exact linear, then `route_from_logits` (elementwise ops, tree sums, a stable
-  sort), shared with the CPU backend.
-- Experts: the (token, slot) pairs are sorted by expert (stably), cut into tiles of
-  `linear.BLOCK_M` rows per expert, and run through `tree_mm` in grouped mode: the same
-  kernel, tile shape and block tree as `linear`, reading each row of x by index. A row's bits
-  are then those of `linear` on that row alone, whatever else the expert holds; gate and up
-  are two grouped GEMMs, then `silu_mul`, then the grouped down projection.
-- Merge and combine: the CPU backend's torch ops (a selection, and the pairwise tree in
-  ascending expert-id order), exact on any device.
+- Router: the exact linear, then one program per token (`_route_kernel`): fp32 softmax whose
+  sum is the pairwise tree over the experts, top-k by repeated arg-max with ties to the lower
+  id (a stable descending sort's order), renormalised by the tree over the k weights.
+- Experts: `tree_mm` in grouped mode, the same kernel and block tree as `linear`, reading
+  each row of x by index, so a row's bits are those of `linear` on that row alone. Small
+  batches (at most SMALL_PAIRS (token, slot) pairs) give every pair its own M-tile of its
+  expert: no sort, only the touched experts' weights are read. Larger ones sort the pairs by
+  expert (stably) and cut each expert's rows into tiles. Gate and up are two grouped GEMMs,
+  then `silu_mul`, then the grouped down projection.
+- Combine: one program per (token, column block) (`_combine_kernel`): the slots in ascending
+  expert-id order, weight * output in fp32, the pairwise tree, rounded once: the CPU
+  backend's torch ops, step for step. Merge: the shared selection.
+The route and combine kernels need power-of-2 expert and slot counts; other counts run the
+shared torch ops. Gradients are the torch ops'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import triton
+import triton.language as tl
 
 from onpolicy.kernels.autograd import exact_with_native_grad
-from onpolicy.kernels.cpu.moe import combine, merge_expert_parallel, route_from_logits
+from onpolicy.kernels.cpu.moe import combine as _torch_combine
+from onpolicy.kernels.cpu.moe import merge_expert_parallel, route_from_logits
 from onpolicy.kernels.cuda import linear as _linear
 from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda.linear import linear, tree_mm
@@ -27,14 +36,123 @@ from onpolicy.kernels.cuda.linear import linear, tree_mm
 __all__ = ["combine", "expert_outputs", "merge_expert_parallel", "moe", "route"]
 
 
+SMALL_PAIRS = 64
+"""Up to this many (token, slot) pairs, each pair is its own M-tile (decode-sized batches)."""
+
+SMALL_TILE = (16, 64, 4, 4)
+"""The per-pair tile: 16 rows (one used), as few as the tensor core takes. Same bits as any
+other tile (`tests/gpu/test_cuda_kernels.py`)."""
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@triton.jit
+def _tree(v, N: tl.constexpr, LOG: tl.constexpr):
+    """Pairwise tree sum of v [N] (N = 2^LOG): neighbours added level by level."""
+    for lvl in tl.static_range(LOG):
+        v = tl.sum(tl.reshape(v, (N >> (lvl + 1), 2)), 1)
+    return tl.reshape(v, ())
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, stride, E: tl.constexpr, LOG_E: tl.constexpr,
+                  K: tl.constexpr, LOG_K: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E)
+    x = tl.load(logits_ptr + t * stride + e).to(tl.float32)
+    ex = tl.exp(x - tl.max(x, 0))
+    probs = ex / _tree(ex, E, LOG_E)
+    kk = tl.arange(0, K)
+    ids = tl.zeros((K,), tl.int64)
+    w = tl.zeros((K,), tl.float32)
+    for i in tl.static_range(K):  # the best left, the lowest id among equals
+        best = tl.max(probs, 0)
+        idx = tl.min(tl.where(probs == best, e, E), 0)
+        ids = tl.where(kk == i, idx, ids)
+        w = tl.where(kk == i, best, w)
+        probs = tl.where(e == idx, -1.0, probs)
+    if RENORM:
+        w = w / _tree(w, K, LOG_K)
+    tl.store(ids_ptr + t * K + kk, ids)
+    tl.store(w_ptr + t * K + kk, w)
+
+
+def _route_exact(logits: torch.Tensor, top_k: int, renormalize: bool):
+    t, e = logits.shape
+    logits = logits.contiguous()
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, ids, w, logits.stride(0), E=e, LOG_E=e.bit_length() - 1,
+                            K=top_k, LOG_K=top_k.bit_length() - 1, RENORM=renormalize,
+                            enable_fp_fusion=False)  # fmt: skip
+    return ids, w
+
+
 def route(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids [T, k] int64, topk_weights [T, k] fp32), best first, ties to the lower id."""
-    return route_from_logits(linear(x, gate_weight), top_k, renormalize)
+    logits = linear(x, gate_weight)
+    e = logits.shape[-1]
+    if not (_pow2(e) and _pow2(top_k) and top_k <= e):
+        return route_from_logits(logits, top_k, renormalize)
+    flat = logits.reshape(-1, e)
+    ids, w = _route_exact(flat.detach(), top_k, renormalize)
+    weights = exact_with_native_grad(
+        lambda _: w, lambda lg: route_from_logits(lg, top_k, renormalize)[1], flat
+    )
+    return ids.view(*logits.shape[:-1], top_k), weights.view(*logits.shape[:-1], top_k)
 
 
-def _tiles(expert_of_pair: torch.Tensor, num_experts: int):
+@triton.jit
+def _combine_kernel(out_ptr, y_ptr, ids_ptr, w_ptr, H, K: tl.constexpr, LOG_K: tl.constexpr,
+                    BH: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, K)
+    ids = tl.load(ids_ptr + t * K + kk)
+    a, b = ids[:, None], ids[None, :]
+    before = (b < a) | ((b == a) & (kk[None, :] < kk[:, None]))
+    rank = tl.sum(before.to(tl.int32), 1)  # the slot's place in ascending id order (stable)
+    slot = tl.sum(tl.where(rank[None, :] == kk[:, None], kk[None, :], 0), 1)
+    w = tl.load(w_ptr + t * K + slot)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    y = tl.load(y_ptr + (t * K + slot)[:, None] * H + h[None, :], mask=h[None, :] < H, other=0.0)
+    v = w[:, None] * y.to(tl.float32)
+    for lvl in tl.static_range(LOG_K):
+        v = tl.sum(tl.reshape(v, (K >> (lvl + 1), 2, BH)), 1)
+    tl.store(out_ptr + t * H + h, tl.reshape(v, (BH,)).to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+def _combine_exact(outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    t, k, h = outputs.shape
+    out = torch.empty(t, h, dtype=outputs.dtype, device=outputs.device)
+    if t and h:
+        bh = 256
+        _combine_kernel[(t, triton.cdiv(h, bh))](
+            out, outputs.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
+            h, K=k, LOG_K=k.bit_length() - 1, BH=bh, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out
+
+
+def combine(
+    outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """sum_slots weight * output in ascending expert-id order, fp32 tree, rounded to outputs'
+    dtype. outputs [T, k, H], topk_ids / topk_weights [T, k]."""
+    if not _pow2(outputs.shape[1]):
+        return _torch_combine(outputs, topk_ids, topk_weights)
+    return exact_with_native_grad(
+        lambda o, w: _combine_exact(o, topk_ids, w),
+        lambda o, w: _torch_combine(o, topk_ids, w),
+        outputs, topk_weights,
+    )  # fmt: skip
+
+
+def _tiles(expert_of_pair: torch.Tensor, num_experts: int, bm: int):
     """The grouped GEMM's schedule, built on the device without a host sync.
 
     Returns (order, (tile_expert, tile_start, tile_end)): `order` sorts the pairs by expert
@@ -43,9 +161,10 @@ def _tiles(expert_of_pair: torch.Tensor, num_experts: int):
     """
     n = expert_of_pair.numel()
     order = torch.sort(expert_of_pair, stable=True).indices
-    counts = torch.bincount(expert_of_pair, minlength=num_experts + 1)[:num_experts]
+    # A scatter-add, not bincount: bincount reads the max id on the host (a sync).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_of_pair.device)
+    counts = counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))[:num_experts]
     starts = torch.cumsum(counts, 0) - counts
-    bm = _linear.BLOCK_M
     per = (counts + bm - 1) // bm
     first = torch.cumsum(per, 0) - per
     slots = torch.arange(triton.cdiv(n, bm) + num_experts, device=counts.device)
@@ -96,12 +215,21 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts):
         ids = torch.where(torch.isin(ids, local), ids, num_experts)
     if ids.numel() == 0:
         return x.new_zeros(t, k, hidden)
-    order, tiles = _tiles(ids, num_experts)
-    rows = (order // k).to(torch.int64)
     n = ids.numel()
-    gate = tree_mm(x, w_gate, out_dtype=x.dtype, rows=rows, tiles=tiles, out_rows=n)
-    up = tree_mm(x, w_up, out_dtype=x.dtype, rows=rows, tiles=tiles, out_rows=n)
-    down = tree_mm(silu_mul(gate, up), w_down, out_dtype=x.dtype, tiles=tiles, out_rows=n)
+    if n <= SMALL_PAIRS:  # one M-tile per pair, in pair order: no sort, no scatter
+        pair = torch.arange(n, device=ids.device)
+        tiles = (torch.where(ids < num_experts, ids, -1), pair, pair + 1)
+        mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=SMALL_TILE)
+        down = mm(silu_mul(mm(x, w_gate, rows=pair // k), mm(x, w_up, rows=pair // k)), w_down)
+        if local_experts is not None:  # non-local rows were never written
+            down = torch.where((ids < num_experts)[:, None], down, 0.0)
+        return down.view(t, k, hidden)
+    tile = _linear.tile_for(n, w_gate.shape[1])
+    order, tiles = _tiles(ids, num_experts, tile[0])
+    rows = (order // k).to(torch.int64)
+    mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=tile)
+    gate, up = mm(x, w_gate, rows=rows), mm(x, w_up, rows=rows)
+    down = mm(silu_mul(gate, up), w_down)
     # Rows of non-local pairs were never written: select, never multiply, to drop them.
     down = torch.where((ids[order] < num_experts)[:, None], down, 0.0)
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
