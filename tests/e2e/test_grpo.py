@@ -11,7 +11,8 @@ and after it exits, checks that none of them is left. The runs:
 - `stock`: the rollout on SGLang's stock path (the assertion's negative control): the run
   stops at step 1 naming the first differing token;
 - `interrupted`: SIGINT after step 1: torn down, exit 130;
-- `learning` (slow): more steps; the reward rises.
+- `learning`: colocated engines on 4 trainer ranks with the tensor transport, 12 steps: the
+  reward rises.
 """
 
 from __future__ import annotations
@@ -245,8 +246,12 @@ def test_ctrl_c_tears_down(tmp_path):
 
 
 def test_the_reward_rises(tmp_path):
+    """Colocated this time: 2 engines on the trainer's 4 ranks (TP2 EP2 SP), weights through
+    shared-memory handles (the tensor transport)."""
     steps = 12
-    run = Run(tmp_path / "learning", steps=steps)
+    colocated = ["training.world=4", "training.pp=1", "rollout.colocate=true",
+                 "sync.transport=tensor"]  # fmt: skip
+    run = Run(tmp_path / "learning", *(x for c in colocated for x in ("--set", c)), steps=steps)
     assert run.wait(1800) == 0, run.text[-4000:]
     rows = assert_on_policy(run, steps)
     first = sum(r["reward/mean"] for r in rows[:3]) / 3

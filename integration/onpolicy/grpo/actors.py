@@ -15,6 +15,7 @@ client over Ray calls.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ class EngineSpec:
     """Experts per token (the routes' third dim)."""
     base_gpu_id: int = 0
     """First GPU of the engine on its node (CUDA)."""
+    authkey: str = ""
+    """The run's multiprocessing authkey (hex), shared with trainer rank 0: the colocated
+    "tensor" transport's file-descriptor handles are fetched with it."""
+    mem_fraction: float = 0.5
+    """SGLang's mem_fraction_static (`GRPOConfig.engine_mem_fraction`)."""
 
 
 class RolloutActor:
@@ -65,7 +71,9 @@ class RolloutActor:
         from onpolicy.rollout.host import EngineService
 
         s = self.spec
-        extra: dict[str, Any] = {"device": s.device}
+        if s.authkey:  # the engine's scheduler processes inherit it
+            multiprocessing.current_process().authkey = bytes.fromhex(s.authkey)
+        extra: dict[str, Any] = {"device": s.device, "mem_fraction_static": s.mem_fraction}
         if s.routes:
             extra["return_routed_experts"] = True
         if s.device == "cuda":
@@ -178,6 +186,8 @@ class TrainerSpec:
     """Token budget of one packed micro-batch."""
     resume: str = ""
     """A torch-dist checkpoint (root or iteration) to load model and optimizer from."""
+    authkey: str = ""
+    """The run's multiprocessing authkey (hex), shared with the engines (see EngineSpec)."""
 
 
 class TrainerActor:
@@ -203,6 +213,8 @@ class TrainerActor:
 
         s = self.spec
         t0 = time.perf_counter()
+        if s.authkey:
+            multiprocessing.current_process().authkey = bytes.fromhex(s.authkey)
         if s.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         store = tcp_store(s.master_addr, s.master_port, s.world, is_master=self.rank == 0)
@@ -299,6 +311,14 @@ class TrainerActor:
         return {"loss": result.loss, "grad_norm": result.grad_norm,
                 "num_tokens": result.num_tokens, **result.metrics,
                 "seconds": time.perf_counter() - t0}  # fmt: skip
+
+    def capture(self, sequence: list[int], out_dir: str) -> None:
+        """Score one sequence with every rank's per-layer points captured into `out_dir`
+        (`onpolicy.train.capture`, for `--bisect`)."""
+        from onpolicy.train.capture import capture_logprobs
+
+        capture_logprobs(self.chunks, sequence, self.spec.temperature, out_dir)
+        self._settle()
 
     # --- weights --------------------------------------------------------------------------------
     def connect(self, engines: list[dict]) -> None:

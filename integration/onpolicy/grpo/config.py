@@ -67,6 +67,11 @@ class GRPOConfig:
     """After every sync, check each engine rank's weights against the trainer's by digest."""
     routing_check: bool = True
     """Compare the rollout's routed expert ids with the trainer's at every step."""
+    engine_mem_fraction: float = 0.5
+    """SGLang's mem_fraction_static. On GPU: the share of memory for weights and KV cache. On
+    CPU SGLang sizes the KV cache from free host memory measured before and after loading the
+    weights, so this is also the share of that memory other processes starting beside the
+    engine (the trainer ranks) may take meanwhile without failing its start."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,6 +158,9 @@ def _check(e: E2EConfig) -> None:
             f"grpo.temperature = {g.temperature} must be above 0",
             "sample at a positive temperature (the trainer scores at it)",
         )
+    if not 0.0 < g.engine_mem_fraction < 1.0:
+        raise ContractError("grpo_config", f"grpo.engine_mem_fraction = {g.engine_mem_fraction}",
+                            "set a fraction between 0 and 1")  # fmt: skip
     if g.rollout_path not in ("exact", "stock"):
         raise ContractError("grpo_config", f"grpo.rollout_path = {g.rollout_path!r}",
                             "set it to 'exact' or 'stock'")  # fmt: skip

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import time
@@ -104,6 +105,7 @@ class Driver:
         self.pg = None
         self.started_ray = False
         self.run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex
+        self.authkey = secrets.token_hex(16)
         os.environ[RUN_ID_ENV] = self.run_id
         self.start_step = 0
         self.times: dict[str, float] = {}
@@ -171,7 +173,7 @@ class Driver:
                            optimizer=e.optimizer, loss=e.loss, sync=e.sync,
                            temperature=e.grpo.temperature,
                            micro_batch_tokens=e.grpo.micro_batch_tokens,
-                           resume=str(self.resume_from or ""))  # fmt: skip
+                           resume=str(self.resume_from or ""), authkey=self.authkey)  # fmt: skip
         trainer_env = {**plan.training_env, **base, "OMP_NUM_THREADS": "1"}
         Trainer = ray.remote(TrainerActor)
         for g in range(t.world):
@@ -191,7 +193,8 @@ class Driver:
                             device=c.device, exact=e.grpo.rollout_path == "exact",
                             routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,
                             top_k=c.shape.num_experts_per_tok,
-                            base_gpu_id=bundle if cuda else 0)  # fmt: skip
+                            base_gpu_id=bundle if cuda else 0, authkey=self.authkey,
+                            mem_fraction=e.grpo.engine_mem_fraction)  # fmt: skip
             a = Rollout.options(runtime_env={"env_vars": env}, **at(bundle, share)).remote(es)
             self.engines.append(a)
             self.actors.append((f"engine{i}", a))
@@ -214,13 +217,16 @@ class Driver:
                 hung = ", ".join(names[r] for r in pending)
                 raise RunError(f"{what}: no answer from {hung} within "
                                f"{self.e.run.actor_timeout_s:.0f} s", 3)  # fmt: skip
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError as err:
-                    raise RunError(f"{what}: {names[ref]} died: {_cause(err)}", 3) from None
-                except ray.exceptions.RayTaskError as err:
-                    raise RunError(f"{what}: {names[ref]} failed: {_cause(err)}", 3) from None
+            if _error(ready[0]) is not None:
+                # A rank whose peer died fails in its collective at once, often before Ray has
+                # noticed the death: wait briefly for the rest, and name a dead actor first.
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=10)
+                errors = [(r, _error(r)) for r in ready + more]
+                errors = [(r, e) for r, e in errors if e is not None]
+                dead = [(r, e) for r, e in errors if isinstance(e, ray.exceptions.RayActorError)]
+                ref, err = (dead or errors)[0]
+                verb = "died" if dead else "failed"
+                raise RunError(f"{what}: {names[ref]} {verb}: {_cause(err)}", 3)
         return ray.get([ref for _, ref in calls])
 
     def _all(self, actors: list[Any], label: str, method: str, *args, **kw) -> list[Any]:
@@ -373,6 +379,33 @@ class Driver:
         bad, rows = routing_mismatch([s["routed_experts"] for s in samples], trainer_routes)
         return {"train/routing_mismatch": bad / max(rows, 1), "train/routing_rows": rows}
 
+    def bisect(self, v: OnPolicyViolation) -> str:
+        """Rerun the first differing sample on its engine and on the trainer with per-layer
+        captures (same seed, same tokens); the first layer and op whose outputs differ."""
+        from onpolicy.grpo.bisect import first_divergence
+
+        m = v.mismatch
+        s = v.samples[m.sample]
+        where = self.out / "bisect" / f"step{v.step}-sample{m.sample}"
+        request = {"prompts": [s["prompt"]], "new_tokens": len(s["output_ids"]),
+                   "temperature": self.e.grpo.temperature, "seed": s["seed"]}  # fmt: skip
+        k = s["engine"]
+        kw = {"request": request, "out_dir": str(where / "rollout")}
+        call = self.engines[k].call.remote("capture_generate", kw)
+        (again,) = self._wait([(f"engine{k}", call)], "bisect")
+        if again["output_ids"] != s["output_ids"]:
+            return (f"bisect: engine{k} sampled other tokens on the rerun "
+                    f"({again['output_ids']} vs {s['output_ids']}); the captures under {where} "
+                    "are not comparable")  # fmt: skip
+        self._all(self.trainers, "trainer rank", "capture", s["prompt"] + s["output_ids"],
+                  str(where / "trainer"))  # fmt: skip
+        div = first_divergence(where / "rollout", where / "trainer")
+        if div is None:
+            return (f"bisect: every captured point of sample {m.sample} is equal on the "
+                    f"rerun; the difference is outside the captured ops (captures under "
+                    f"{where})")  # fmt: skip
+        return f"bisect: sample {m.sample}: {div.describe()} (captures under {where})"
+
     # --- the run --------------------------------------------------------------------------------
     def checkpoint_step(self, step: int) -> None:
         every = self.e.run.checkpoint_every
@@ -427,6 +460,17 @@ class Driver:
 def _std(xs: list[float]) -> float:
     m = sum(xs) / len(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def _error(ref: Any) -> BaseException | None:
+    """The exception a finished call raised, None when it returned."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayError as err:  # a dead actor, a failed method, a lost result
+        return err
+    return None
 
 
 def _cause(err: BaseException) -> str:
