@@ -83,31 +83,29 @@ def test_leaf_is_four_k_blocks():
 
 @pytest.fixture
 def schedule():
-    """Set attention's partition width and force one schedule for one test."""
-    saved = A.KV_PARTITION, A.SPLIT_BELOW, A.SPLIT_WORKSPACE
+    """Set attention's partition width and split threshold for one test."""
+    saved = A.KV_PARTITION, A.SPLIT_BELOW
 
-    def set_schedule(partition: int, split: bool) -> None:
-        A.KV_PARTITION = partition
-        A.SPLIT_BELOW, A.SPLIT_WORKSPACE = (1 << 30, 1 << 40) if split else (0, 0)
+    def set_schedule(partition: int, split_below: int) -> None:
+        A.KV_PARTITION, A.SPLIT_BELOW = partition, split_below
 
     yield set_schedule
-    A.KV_PARTITION, A.SPLIT_BELOW, A.SPLIT_WORKSPACE = saved
+    A.KV_PARTITION, A.SPLIT_BELOW = saved
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_attention_split_and_fused_partitions_give_the_same_bits(schedule, dtype):
     """Qwen3-30B-A3B's heads (32 q, 4 kv, 128), one 1300-token sequence over three partition
-    boundaries: packed prefill fused, packed prefill split, 400 tokens in one partition (the
-    merge compiled out), chunked prefill and decode over a paged cache as lists and as device
-    tensors: one set of bits. Control: partitions of another width give other bits."""
+    boundaries: packed prefill fused, packed prefill split, chunked prefill and decode over a
+    paged cache as lists and as device tensors: one set of bits. Control: partitions of
+    another width give other bits."""
     n, ps = 1300, 16
     q = wide(n, 32, 128, seed=3, dtype=dtype, spread=2, device="cuda")
     k = wide(n, 4, 128, seed=4, dtype=dtype, spread=2, device="cuda")
     v = wide(n, 4, 128, seed=5, dtype=dtype, spread=2, device="cuda")
-    schedule(512, False)
+    schedule(512, 0)
     fused = K.attention(q, k, v, [0, n])
-    assert_bitwise(K.attention(q[:400], k[:400], v[:400], [0, 400]), fused[:400], "400 tokens")
-    schedule(512, True)
+    schedule(512, 1 << 30)
     assert_bitwise(K.attention(q, k, v, [0, n]), fused, "split prefill")
     pages = -(-n // ps)
     table = torch.randperm(pages + 7, device="cuda")[:pages]
@@ -115,11 +113,11 @@ def test_attention_split_and_fused_partitions_give_the_same_bits(schedule, dtype
     vp = torch.full_like(kp, float("nan"))
     pos = torch.arange(n, device="cuda")
     kp[table[pos // ps], pos % ps], vp[table[pos // ps], pos % ps] = k, v
-    for split in (False, True):
-        schedule(512, split)
+    for split_below in (0, 1 << 30):
+        schedule(512, split_below)
         for lo, hi in ((0, 700), (700, 1100), (1100, 1299), (1299, 1300)):
             got = K.paged_attention(q[lo:hi], kp, vp, [0, hi - lo], [table], [hi])
-            assert_bitwise(got, fused[lo:hi], f"chunk {lo}:{hi}, split {split}")
+            assert_bitwise(got, fused[lo:hi], f"chunk {lo}:{hi}, split below {split_below}")
     # Decode of 3 requests at once (ends 513, 1024, 1300), tables and lengths on the device.
     ends = [513, 1024, 1300]
     idx = torch.tensor([e - 1 for e in ends], device="cuda")
@@ -130,7 +128,7 @@ def test_attention_split_and_fused_partitions_give_the_same_bits(schedule, dtype
         alone = K.attention(q[:e], k[:e], v[:e], [0, e])[-1]
         assert_bitwise(got[i], alone, f"decode at {e} vs its own prefill")
     assert_bitwise(got[2], fused[-1], "decode at 1300")
-    schedule(256, False)
+    schedule(256, 0)
     assert not torch.equal(K.attention(q, k, v, [0, n]), fused), "256-key partitions"
 
 

@@ -16,12 +16,9 @@ a row sees are merged in position order, `_merge`: M = max(m, m_p), l = l e^(m -
 l_p e^(m_p - M), acc likewise; out = acc / l, rounded once.
 
 Two schedules run that same arithmetic. Fused (`SPLIT` off): one program walks every partition
-of its tile and merges in registers (compiled without the merge when no key is past the first
-partition: then it is one accumulator, as light as the kernel without partitions). Split: one
-program per (tile, KV head, partition) writes the partition's state to a workspace, and
-`_merge_kernel` merges them in the same order; so a short batch of long contexts still fills
-the GPU (flash-decoding, at fixed positions), and a long prefill keeps one accumulator per
-program instead of the fused schedule's two. Floating
+of its tile and merges in registers. Split: one program per (tile, KV head, partition) writes
+the partition's state to a workspace, and `_merge_kernel` merges them in the same order; so a
+short batch of long contexts still fills the GPU (flash-decoding, at fixed positions). Floating
 point contraction is off in both kernels (`enable_fp_fusion=False`): every mul and add is
 rounded on its own, so the merge's expression gives the same bits in either kernel. The tile
 shape and warps are fixed, rows never mix inside a product, and a row's keys are the same
@@ -50,11 +47,7 @@ request (a multiple of KV_BLOCK). Part of the bits: prefill and decode must agre
 
 SPLIT_BELOW = 4 * 132
 """Split the partitions over programs when the fused grid (tiles x KV heads) is smaller than
-this (about four programs per SM of an H200), ..."""
-
-SPLIT_WORKSPACE = 1 << 30
-"""... or when the split's fp32 workspace takes at most this many bytes (the fused schedule's
-second accumulator spills registers). Either schedule gives the same bits."""
+this (about four programs per SM of an H200). Either schedule gives the same bits."""
 
 _UNPAGED = 1 << 30
 """Page size that makes a packed [T, Hkv, D] tensor one page per sequence."""
@@ -115,7 +108,7 @@ def _attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, ws_ptr, sched_ptr, n_tiles, pages_ptr, stride_pages, page_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    P: tl.constexpr, SPLIT: tl.constexpr, ONE_PART: tl.constexpr, IEEE: tl.constexpr,
+    P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     req = tl.load(sched_ptr + pid)  # the schedule: 6 rows of n_tiles int64 (see _schedule)
@@ -157,18 +150,17 @@ def _attn_kernel(
             row_ok, 0, tl.minimum(P, hi), kvh, stride_kt, stride_kh, stride_vt, stride_vh,
             scale, D, BM, BN, IEEE,
         )  # fmt: skip
-        if not ONE_PART:  # compiled out when no key is past the first partition
-            for lo0 in range(P, hi, P):
-                m_p, denom_p, acc_p = _partition(
-                    q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
-                    q_pos, row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
-                    stride_vt, stride_vh, scale, D, BM, BN, IEEE,
-                )  # fmt: skip
-                m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
-                sees = q_pos >= lo0
-                m = tl.where(sees, m_j, m)
-                denom = tl.where(sees, denom_j, denom)
-                acc = tl.where(sees[:, None], acc_j, acc)
+        for lo0 in range(P, hi, P):
+            m_p, denom_p, acc_p = _partition(
+                q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
+                q_pos, row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
+                stride_vt, stride_vh, scale, D, BM, BN, IEEE,
+            )  # fmt: skip
+            m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
+            sees = q_pos >= lo0
+            m = tl.where(sees, m_j, m)
+            denom = tl.where(sees, denom_j, denom)
+            acc = tl.where(sees[:, None], acc_j, acc)
         out = acc / denom[:, None]
         o_rows = (q0 + tok).to(tl.int64) * stride_ot + (kvh * G + head) * stride_oh
         tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -256,16 +248,15 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int):
     if n_tiles == 0 or t == 0:
         return out
     parts = max(1, triton.cdiv(max_keys, KV_PARTITION))
-    ws_numel = n_tiles * hkv * parts * BLOCK_M * (d + 2)
-    split = parts > 1 and (n_tiles * hkv < SPLIT_BELOW or 4 * ws_numel <= SPLIT_WORKSPACE)
-    ws = torch.empty(ws_numel, dtype=torch.float32, device=q.device) if split else out
+    split = parts > 1 and n_tiles * hkv < SPLIT_BELOW
+    ws = (torch.empty(n_tiles * hkv * parts * BLOCK_M * (d + 2), dtype=torch.float32,
+                      device=q.device) if split else out)  # fmt: skip
     common = dict(G=g, D=d, BM=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False)
     _attn_kernel[(n_tiles, hkv, parts if split else 1)](
         q, k_rows, v_rows, out, ws, sched, n_tiles, pages, pages.stride(0), page_size,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
-        scale, BN=KV_BLOCK, P=KV_PARTITION, SPLIT=split, ONE_PART=parts == 1,
-        IEEE=q.dtype == torch.float32,
+        scale, BN=KV_BLOCK, P=KV_PARTITION, SPLIT=split, IEEE=q.dtype == torch.float32,
         num_stages=NUM_STAGES, **common,
     )  # fmt: skip
     if split:
