@@ -73,7 +73,10 @@ class RolloutActor:
         s = self.spec
         if s.authkey:  # the engine's scheduler processes inherit it
             multiprocessing.current_process().authkey = bytes.fromhex(s.authkey)
-        extra: dict[str, Any] = {"device": s.device, "mem_fraction_static": s.mem_fraction}
+        # sleep_on_idle: an idle scheduler waits on its sockets instead of spinning, which on
+        # CPU would take cores from the trainer while it trains and syncs.
+        extra: dict[str, Any] = {"device": s.device, "mem_fraction_static": s.mem_fraction,
+                                 "sleep_on_idle": True}  # fmt: skip
         if s.routes:
             extra["return_routed_experts"] = True
         if s.device == "cuda":
