@@ -217,8 +217,9 @@ def test_a_killed_actor_stops_the_run_and_resume_continues_bit_for_bit(runs):
 
 def test_the_stock_rollout_breaks_the_assertion_at_step_1(tmp_path):
     """The negative control: SGLang's own CPU path samples; the trainer's exact log-probs
-    differ, and the run stops at step 1 naming the first differing token in hex."""
-    run = Run(tmp_path / "stock", "--set", "grpo.rollout_path=stock",
+    differ, and the run stops at step 1 naming the first differing token in hex; `--bisect`
+    reruns that sample on both engines with captures and names the first op that differs."""
+    run = Run(tmp_path / "stock", "--bisect", "--set", "grpo.rollout_path=stock",
               "--set", "grpo.routing_check=false")  # fmt: skip
     assert run.wait() == 1, run.text[-4000:]
     rows = run.metrics()
@@ -228,6 +229,10 @@ def test_the_stock_rollout_breaks_the_assertion_at_step_1(tmp_path):
     assert first["rollout_hex"] != first["trainer_hex"], first
     assert f"token id {first['token']}" in run.text and first["rollout_hex"] in run.text
     assert "true-on-policy broken" in run.text
+    bisect = [ln for ln in run.text.splitlines() if ln.startswith("bisect: ")]
+    assert len(bisect) == 1 and f"sample {first['sample']}: first divergence: layer " in bisect[0]
+    assert " position " in bisect[0] and "0x" in bisect[0], bisect
+    assert (run.out / "bisect" / f"step1-sample{first['sample']}" / "trainer").is_dir()
     run.check_clean()
 
 

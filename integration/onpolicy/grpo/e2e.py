@@ -106,7 +106,10 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         _write(driver.out / "violation.json", _violation_record(v))
         say(f"onpolicy e2e: {v}")
         if bisect and v.mismatch is not None:
-            say(driver.bisect(v))
+            try:
+                say(driver.bisect(v))
+            except RunError as err:
+                say(f"bisect: could not rerun the sample: {err}")
     except RunError as err:
         code, graceful = err.code, False
         say(f"onpolicy e2e: {err}")
