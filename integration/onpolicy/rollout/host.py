@@ -86,6 +86,13 @@ class EngineService:
             return [json.loads((Path(d) / f"rank{r}.json").read_text())
                     for r in range(self.tp)]  # fmt: skip
 
+    def capture_generate(self, request: dict, out_dir: str) -> dict:
+        """`generate` of one prompt with every TP rank's per-layer points captured into
+        `out_dir` (`onpolicy.rollout.capture`, for `onpolicy.grpo.bisect`); the sample."""
+        from onpolicy.rollout.capture import capture_generate
+
+        return capture_generate(self.engine, request, out_dir)
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -15,7 +15,8 @@ the layer boundary that no further sum is owed.
 The routed expert ids go to SGLang's routed-experts capturer, as its own TopK would send them
 (`capture_routed_experts_if_allowed`, a no-op unless the engine runs with
 `enable_return_routed_experts`), so a request with `return_routed_experts=True` gets the ids
-this path used (`onpolicy.rollout.routing`).
+this path used (`onpolicy.rollout.routing`), and to `onpolicy.rollout.capture` (a no-op unless
+a `--bisect` capture is on).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from onpolicy import collectives
 from onpolicy import kernels as K
+from onpolicy.rollout import capture
 
 
 def sparse_moe_forward(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -36,6 +38,7 @@ def sparse_moe_forward(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Te
     ids, weights = K.moe_route(x, block.gate.weight, block.topk.topk_config.top_k,
                                block.topk.topk_config.renormalize)  # fmt: skip
     capture_routed_experts_if_allowed(block.topk.topk_config, block.layer_id, ids)
+    capture.router(block.layer_id, ids, weights)
     ep, moe_tp = experts.moe_ep_size, experts.moe_tp_size
     n_local = experts.num_local_experts
     first = experts.moe_ep_rank * n_local
