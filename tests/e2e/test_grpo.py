@@ -11,7 +11,7 @@ and after it exits, checks that none of them is left. The runs:
 - `stock`: the rollout on SGLang's stock path (the assertion's negative control): the run
   stops at step 1 naming the first differing token;
 - `interrupted`: SIGINT after step 1: torn down, exit 130;
-- `learning`: colocated engines on 4 trainer ranks with the tensor transport, 12 steps: the
+- `learning`: colocated engines on 4 trainer ranks with the tensor transport, 15 steps: the
   reward rises.
 """
 
@@ -252,14 +252,17 @@ def test_ctrl_c_tears_down(tmp_path):
 
 def test_the_reward_rises(tmp_path):
     """Colocated this time: 2 engines on the trainer's 4 ranks (TP2 EP2 SP), weights through
-    shared-memory handles (the tensor transport)."""
-    steps = 12
-    colocated = ["training.world=4", "training.pp=1", "rollout.colocate=true",
-                 "sync.transport=tensor"]  # fmt: skip
-    run = Run(tmp_path / "learning", *(x for c in colocated for x in ("--set", c)), steps=steps)
+    shared-memory handles (the tensor transport). The band task with one band (answer with ids
+    below 200), 64 samples a step at lr 1e-2: the random policy's 0.2 climbs after about ten
+    steps (measured: 0.20 -> 0.64 by step 15)."""
+    steps = 15
+    sets = ["training.world=4", "training.pp=1", "rollout.colocate=true", "sync.transport=tensor",
+            "task.num_bands=1", "optimizer.lr=1e-2", "grpo.prompts_per_step=8",
+            "grpo.samples_per_prompt=8"]  # fmt: skip
+    run = Run(tmp_path / "learning", *(x for c in sets for x in ("--set", c)), steps=steps)
     assert run.wait(1800) == 0, run.text[-4000:]
     rows = assert_on_policy(run, steps)
     first = sum(r["reward/mean"] for r in rows[:3]) / 3
     last = sum(r["reward/mean"] for r in rows[-3:]) / 3
-    assert last > first + 0.1, [round(r["reward/mean"], 3) for r in rows]
+    assert last > first + 0.15, [round(r["reward/mean"], 3) for r in rows]
     run.check_clean()
