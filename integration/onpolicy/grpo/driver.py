@@ -22,6 +22,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import socket
 import time
@@ -381,30 +382,42 @@ class Driver:
 
     def bisect(self, v: OnPolicyViolation) -> str:
         """Rerun the first differing sample on its engine and on the trainer with per-layer
-        captures (same seed, same tokens); the first layer and op whose outputs differ."""
+        captures; the first layer and op whose outputs differ.
+
+        The engine reruns the sample's decode (same seed, same tokens). An engine whose sampler
+        does not reproduce it (SGLang's stock sampler is not seeded per request) is captured
+        instead on one prefill of the sampled sequence, which runs every position the trainer
+        scores."""
         from onpolicy.grpo.bisect import first_divergence
 
         m = v.mismatch
         s = v.samples[m.sample]
         where = self.out / "bisect" / f"step{v.step}-sample{m.sample}"
-        request = {"prompts": [s["prompt"]], "new_tokens": len(s["output_ids"]),
-                   "temperature": self.e.grpo.temperature, "seed": s["seed"]}  # fmt: skip
-        k = s["engine"]
-        kw = {"request": request, "out_dir": str(where / "rollout")}
-        call = self.engines[k].call.remote("capture_generate", kw)
-        (again,) = self._wait([(f"engine{k}", call)], "bisect")
-        if again["output_ids"] != s["output_ids"]:
-            return (f"bisect: engine{k} sampled other tokens on the rerun "
-                    f"({again['output_ids']} vs {s['output_ids']}); the captures under {where} "
-                    "are not comparable")  # fmt: skip
-        self._all(self.trainers, "trainer rank", "capture", s["prompt"] + s["output_ids"],
+        k, out = s["engine"], s["output_ids"]
+        note = ""
+
+        def capture(prompt: list[int], new_tokens: int) -> dict:
+            request = {"prompts": [prompt], "new_tokens": new_tokens,
+                       "temperature": self.e.grpo.temperature, "seed": s["seed"]}  # fmt: skip
+            kw = {"request": request, "out_dir": str(where / "rollout")}
+            call = self.engines[k].call.remote("capture_generate", kw)
+            return self._wait([(f"engine{k}", call)], "bisect")[0]
+
+        again = capture(s["prompt"], len(out))
+        if again["output_ids"] != out:
+            shutil.rmtree(where / "rollout")
+            again = capture(s["prompt"] + out[:-1], 1)
+            note = (f"; engine{k} did not resample the same tokens, so its capture is one "
+                    "prefill of the sampled sequence")  # fmt: skip
+        # The trainer scores exactly what the engine ran (the fallback's last token is new).
+        self._all(self.trainers, "trainer rank", "capture", again["prompt"] + again["output_ids"],
                   str(where / "trainer"))  # fmt: skip
         div = first_divergence(where / "rollout", where / "trainer")
         if div is None:
             return (f"bisect: every captured point of sample {m.sample} is equal on the "
                     f"rerun; the difference is outside the captured ops (captures under "
-                    f"{where})")  # fmt: skip
-        return f"bisect: sample {m.sample}: {div.describe()} (captures under {where})"
+                    f"{where}{note})")  # fmt: skip
+        return f"bisect: sample {m.sample}: {div.describe()} (captures under {where}{note})"
 
     # --- the run --------------------------------------------------------------------------------
     def checkpoint_step(self, step: int) -> None:

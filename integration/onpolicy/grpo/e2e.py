@@ -108,7 +108,7 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         if bisect and v.mismatch is not None:
             try:
                 say(driver.bisect(v))
-            except RunError as err:
+            except (RunError, ValueError) as err:
                 say(f"bisect: could not rerun the sample: {err}")
     except RunError as err:
         code, graceful = err.code, False
