@@ -245,7 +245,7 @@ class Driver:
 
         t0 = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
+        write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self.ckpt = checkpoint(self.e.cfg, self.out)
         self.resume_from = None
         if self.resume:
@@ -264,7 +264,7 @@ class Driver:
         self.engine_info = values[: len(self.engines)]
         self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
         pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
-        _write_atomic(self.out / "actors.json", json.dumps(pids, indent=1) + "\n")
+        write_atomic(self.out / "actors.json", json.dumps(pids, indent=1) + "\n")
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
                    for i, h in zip(self.engine_info, self.engines, strict=True)]  # fmt: skip
         self._all(self.trainers, "trainer rank", "connect", proxies)
@@ -498,7 +498,8 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary sibling, then rename it over `path`."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

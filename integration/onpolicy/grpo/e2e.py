@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from onpolicy.bits import hex_bits
-from onpolicy.grpo.driver import Driver, OnPolicyViolation, RunError
+from onpolicy.grpo.driver import Driver, OnPolicyViolation, RunError, write_atomic
 
 TABLE = [("step", "step", "{}"), ("abs_diff", "train/train_rollout_logprob_abs_diff", "{!r}"),
          ("kl", "train/train_rollout_kl", "{!r}"), ("equal", "train/logprob_equal_frac", "{:.4f}"),
@@ -153,9 +153,7 @@ def gpu_memory_used() -> list[int]:
 
 
 def _write(path: Path, record: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
