@@ -32,6 +32,7 @@ from onpolicy.kernels.rules import (
     K_BLOCK,
     KV_BLOCK,
     VOCAB_SEGMENTS,
+    k_segments,
     row_parallel_exact,
     vocab_parallel_exact,
     vocab_segments,
@@ -85,21 +86,27 @@ def native_ops() -> Iterator[None]:
 
 
 # --- matmul -----------------------------------------------------------------------------------
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), weight [N, K]; K in K_BLOCK blocks, pairwise tree, fp32 acc."""
-    return _impl("linear", x)(x, weight, bias)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, segments: int = 1
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), weight [N, K]; K in `segments` equal segments (`k_segments`),
+    each in the backend's fixed order, the segments by the pairwise tree; fp32 acc."""
+    return _impl("linear", x)(x, weight, bias, segments)
 
 
-def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 tree over this (shard of) K only: no bias, not rounded; feed `combine_partials`."""
-    return _impl("linear_partial", x)(x, weight)
+def linear_partial(x: torch.Tensor, weight: torch.Tensor, *, segments: int = 1) -> torch.Tensor:
+    """fp32 sum over this (shard of) K only, in `segments` segments: no bias, not rounded; feed
+    `combine_partials`. A row-parallel rank passes its share, S / tp."""
+    return _impl("linear_partial", x)(x, weight, segments)
 
 
 def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`tp` row-parallel shards plus the tree combine, in one process."""
-    return _impl("row_parallel_linear", x)(x, weight, tp, bias)
+    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None, *,
+    segments: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`tp` row-parallel shards of a K in `segments` segments (default tp) plus the tree
+    combine, in one process."""
+    return _impl("row_parallel_linear", x)(x, weight, tp, bias, segments)
 
 
 # --- norms, rotary, activations ---------------------------------------------------------------
@@ -210,9 +217,14 @@ def moe_expert_outputs(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     local_experts: Sequence[int] | None = None,
+    *,
+    segments: int = 1,
 ) -> torch.Tensor:
-    """[T, k, H] per-(token, slot) SwiGLU outputs for the experts in `local_experts`."""
-    return _impl("expert_outputs", x)(x, topk_ids, w_gate, w_up, w_down, local_experts)
+    """[T, k, H] per-(token, slot) SwiGLU outputs for the experts in `local_experts`; the down
+    projection's K (the expert's intermediate size) in `segments` segments."""
+    return _impl("expert_outputs", x)(
+        x, topk_ids, w_gate, w_up, w_down, local_experts, segments
+    )
 
 
 def moe_merge_expert_parallel(
@@ -237,14 +249,16 @@ def moe(
     w_down: torch.Tensor,
     top_k: int,
     renormalize: bool = True,
+    *,
+    segments: int = 1,
 ) -> torch.Tensor:
-    """The sparse MoE block: route, every expert, combine."""
-    return _impl("moe", x)(x, gate_weight, w_gate, w_up, w_down, top_k, renormalize)
+    """The sparse MoE block: route, every expert (down projection in `segments`), combine."""
+    return _impl("moe", x)(x, gate_weight, w_gate, w_up, w_down, top_k, renormalize, segments)
 
 
 __all__ = [
     "K_BLOCK", "KV_BLOCK", "VOCAB_SEGMENTS", "attention", "combine_partials", "embedding",
-    "linear", "linear_partial", "log_softmax", "moe", "moe_combine", "moe_expert_outputs",
+    "k_segments", "linear", "linear_partial", "log_softmax", "moe", "moe_combine", "moe_expert_outputs",
     "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",
     "rms_norm", "rope", "rope_table", "row_parallel_exact", "row_parallel_linear",
     "scale_logits", "silu_mul", "sumexp_partial", "token_logprobs", "tree_sum",

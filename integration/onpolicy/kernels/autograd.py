@@ -10,10 +10,12 @@ from collections.abc import Callable
 
 import torch
 
+from onpolicy.kernels.rules import check_segments
 from onpolicy.kernels.tree import combine_partials
 
-Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""An exact x [M, K] @ w [N, K].T -> fp32 [M, N], the backend's own kernel."""
+Matmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""An exact x [M, K] @ w [N, K].T -> fp32 [M, N] with K cut into the given number of
+segments (`rules.k_segments`): the backend's own kernel."""
 
 
 class _ExactForwardNativeBackward(torch.autograd.Function):
@@ -49,10 +51,12 @@ class _LinearPartial(torch.autograd.Function):
     """Exact fp32 forward by the backend's matmul; the native matmul gradient backward."""
 
     @staticmethod
-    def forward(ctx, matmul: Matmul, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, matmul: Matmul, x: torch.Tensor, weight: torch.Tensor, segments: int
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         flat = x.reshape(-1, x.shape[-1])
-        return matmul(flat, weight).view(*x.shape[:-1], weight.shape[0])
+        return matmul(flat, weight, segments).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -63,24 +67,44 @@ class _LinearPartial(torch.autograd.Function):
             gx = (g @ weight.float()).to(x.dtype).view(x.shape)
         if ctx.needs_input_grad[2]:
             gw = (g.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        return None, gx, gw
+        return None, gx, gw, None
 
 
-def linear_partial(matmul: Matmul, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 x @ weight.T over this weight's K by `matmul`: no bias, not rounded."""
+def linear_partial(
+    matmul: Matmul, x: torch.Tensor, weight: torch.Tensor, segments: int = 1
+) -> torch.Tensor:
+    """fp32 x @ weight.T over this weight's K by `matmul`, K in `segments` equal segments: no
+    bias, not rounded."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: x has K={x.shape[-1]}, weight [N, K] has K={weight.shape[-1]}")
-    return _LinearPartial.apply(matmul, x, weight)
+    check_segments(x.shape[-1], segments)
+    return _LinearPartial.apply(matmul, x, weight, segments)
+
+
+def shard_segments(k: int, tp: int, segments: int | None) -> int:
+    """Segments per shard when a K = `k` of `segments` segments (default `tp`: one a shard) is
+    cut into `tp` shards; refuses a cut that splits a segment."""
+    segments = tp if segments is None else segments
+    if tp < 1 or k % tp:
+        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
+    check_segments(k, segments)
+    if segments % tp:
+        raise ValueError(
+            f"row_parallel_linear: {tp} shards of K={k} would split its {segments} segments "
+            "(rules.row_parallel_exact: tp must divide the segment count)"
+        )
+    return segments // tp
 
 
 def row_parallel_linear(
-    partial: Matmul, x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`tp` contiguous K-shards' `partial`s combined by the tree, in one process."""
+    partial: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, tp: int,
+    bias: torch.Tensor | None, segments: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`tp` contiguous K-shards' `partial`s combined by the tree, in one process; K holds
+    `segments` segments in all (default `tp`), so each shard holds segments / tp of them."""
     k = x.shape[-1]
-    if k % tp:
-        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
+    per = shard_segments(k, tp, segments)
     s = k // tp
-    parts = [partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s])
+    parts = [partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s], per)
              for i in range(tp)]  # fmt: skip
     return combine_partials(parts, x.dtype, bias)

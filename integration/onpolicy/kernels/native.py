@@ -15,27 +15,34 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from onpolicy.kernels.autograd import shard_segments
 from onpolicy.kernels.cpu.logprob import scale_logits
 from onpolicy.kernels.cpu.moe import merge_expert_parallel as merge_expert_parallel  # a selection
+from onpolicy.kernels.rules import check_segments
 
 
 # --- matmul -----------------------------------------------------------------------------------
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, segments: int = 1
+) -> torch.Tensor:
+    """One GEMM whatever `segments` (checked, not used)."""
+    check_segments(x.shape[-1], segments)
     return F.linear(x, weight, bias)
 
 
-def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_partial(x: torch.Tensor, weight: torch.Tensor, segments: int = 1) -> torch.Tensor:
     """fp32, unrounded, no bias (one fp32 GEMM)."""
+    check_segments(x.shape[-1], segments)
     return F.linear(x.float(), weight.float())
 
 
 def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None,
+    segments: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Each shard's GEMM in x's dtype, summed (an all-reduce), then the bias."""
     k = x.shape[-1]
-    if k % tp:
-        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
+    shard_segments(k, tp, segments)
     s = k // tp
     out = torch.stack([F.linear(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s])
                        for i in range(tp)]).sum(0)  # fmt: skip
@@ -177,7 +184,9 @@ def expert_outputs(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     local_experts: Sequence[int] | None = None,
+    segments: int = 1,
 ) -> torch.Tensor:
+    check_segments(w_down.shape[-1], segments)
     out = x.new_zeros(*topk_ids.shape, w_down.shape[1])
     for e, tok, slot in _by_expert(topk_ids, w_gate.shape[0], local_experts):
         out[tok, slot] = _swiglu(x[tok], w_gate[e], w_up[e], w_down[e])
@@ -199,8 +208,10 @@ def moe(
     w_down: torch.Tensor,
     top_k: int,
     renormalize: bool = True,
+    segments: int = 1,
 ) -> torch.Tensor:
     """HF Qwen3MoeSparseMoeBlock: expert by expert, weighted outputs index_add-ed into place."""
+    check_segments(w_down.shape[-1], segments)
     ids, weights = route(x, gate_weight, top_k, renormalize)
     out = torch.zeros_like(x)
     for e, tok, slot in _by_expert(ids, w_gate.shape[0]):

@@ -1,18 +1,17 @@
 """The reduction layouts every backend follows, and when a sharded sum keeps the unsharded bits.
 
 A backend may tile however it likes inside these rules, but not change them: they fix which
-partial sums exist, and so which splits (TP, vocab-parallel) are exact.
+partial sums exist, and so which splits (TP, vocab-parallel) are exact. A matmul's K is cut
+into `k_segments` equal segments, fixed per matmul for the whole run by the contract; how a
+backend sums inside one segment is its own fixed order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 K_BLOCK = 128
 """Width of one K-block of a matmul, and of one block of every other long sum."""
-
-MMA_LEAF = 512
-"""The CUDA backend's tree leaf: it sums MMA_LEAF / K_BLOCK consecutive K-blocks by chained
-tensor-core products (the hardware's order) and applies the pairwise tree above that width. On
-CUDA a row-parallel shard must therefore hold whole leaves."""
 
 KV_BLOCK = 64
 """Keys per attention block: keys [0, B), [B, 2B), ... are folded into the softmax in order."""
@@ -26,23 +25,40 @@ def is_power_of_2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def row_parallel_exact(k: int, tp: int, device: str = "cpu") -> bool:
-    """Whether splitting a matmul's K = `k` into `tp` equal contiguous shards keeps its bits.
+def k_segments(k: int, tps: Iterable[int]) -> int:
+    """S for a matmul whose K = `k` is cut over TP on some side of a run: the largest of `tps`
+    (the TPs that cut this K, on either side) that divides k, 1 when none does (an unsplit K).
 
-    True when tp is 1, or when tp is a power of 2 dividing k and each shard's width k/tp is a
-    power of 2: then a shard is either a power-of-2 count of whole K-blocks or a power-of-2
-    slice of the single block, an aligned subtree of the fixed pairwise tree either way.
-    On "cuda" a shard must also hold whole MMA_LEAF-wide leaves: inside a leaf the tensor
-    core's order is not a pairwise tree, so a slice of one leaf is not a subtree there.
-    Qwen3-30B-A3B's expert K = 768 at tp 2 gives 384 = 3 blocks per shard: not exact.
+    Every backend cuts K into S equal contiguous segments, reduces each segment in its own
+    fixed order (CPU: the K_BLOCK block tree; CUDA: one chained tensor-core accumulation) and
+    adds the S segment partials by the pairwise tree. A rank that holds S / tp segments of it
+    (`row_parallel_exact`) then computes an aligned subtree, and the tree all-reduce over the
+    ranks is the S-tree itself. S = 1 is a plain GEMM.
     """
-    if tp == 1:
-        return True
-    if not is_power_of_2(tp) or k % tp:
+    cuts = [t for t in tps if t > 1 and k % t == 0]
+    return max(cuts, default=1)
+
+
+def row_parallel_exact(k: int, tp: int, segments: int) -> bool:
+    """Whether `tp` equal contiguous shards of a K = `k` cut into `segments` segments keep the
+    unsharded bits: each shard must hold an aligned power-of-2 count of whole segments, i.e.
+    segments divides k, tp divides segments and segments / tp is a power of 2. The shard's
+    partial (its segments' tree) is then a subtree of the segment tree, and the tree over the
+    shards in rank order is the whole tree. Qwen3-30B-A3B's expert K = 768 at MoE TP 2 is exact
+    with S = 2 (two 384-wide segments), at TP 4 with S = 4.
+    """
+    if segments < 1 or tp < 1 or k % segments or segments % tp:
         return False
-    if device == "cuda" and (k // tp) % MMA_LEAF:
-        return False
-    return is_power_of_2(k // tp)
+    return is_power_of_2(segments // tp)
+
+
+def check_segments(k: int, segments: int) -> None:
+    """Refuse a segment count that does not cut K into equal segments."""
+    if segments < 1 or k % segments:
+        raise ValueError(
+            f"linear: segments = {segments} must be >= 1 and divide K = {k} (K is cut into "
+            "equal segments, rules.k_segments)"
+        )
 
 
 def vocab_segments(vocab: int) -> int:

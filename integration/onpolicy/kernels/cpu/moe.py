@@ -53,11 +53,13 @@ def expert_outputs(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     local_experts: Sequence[int] | None = None,
+    segments: int = 1,
 ) -> torch.Tensor:
     """[T, k, H] SwiGLU output of each (token, slot)'s expert, in x's dtype.
 
     w_gate, w_up [E, I, H] and w_down [E, H, I] are indexed by global expert id. Slots whose
-    expert is not in `local_experts` (default: all) stay zero.
+    expert is not in `local_experts` (default: all) stay zero. The down projection's K = I is
+    cut into `segments` segments (`rules.k_segments`).
     """
     t, k = topk_ids.shape
     out = x.new_zeros(t, k, w_down.shape[1])
@@ -68,7 +70,7 @@ def expert_outputs(
             continue
         xe = x[tok]
         h = silu_mul(linear(xe, w_gate[e]), linear(xe, w_up[e]))
-        out = out.index_put((tok, slot), linear(h, w_down[e]))
+        out = out.index_put((tok, slot), linear(h, w_down[e], None, segments))
     return out
 
 
@@ -99,7 +101,8 @@ def moe(
     w_down: torch.Tensor,
     top_k: int,
     renormalize: bool = True,
+    segments: int = 1,
 ) -> torch.Tensor:
     """The whole sparse MoE block on one rank: route, run every expert, combine."""
     ids, weights = route(x, gate_weight, top_k, renormalize)
-    return combine(expert_outputs(x, ids, w_gate, w_up, w_down), ids, weights)
+    return combine(expert_outputs(x, ids, w_gate, w_up, w_down, None, segments), ids, weights)

@@ -32,6 +32,7 @@ from onpolicy.kernels.cpu.moe import merge_expert_parallel, route_from_logits
 from onpolicy.kernels.cuda import linear as _linear
 from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda.linear import linear, tree_mm
+from onpolicy.kernels.rules import check_segments
 
 __all__ = ["combine", "expert_outputs", "merge_expert_parallel", "moe", "route"]
 
@@ -39,7 +40,7 @@ __all__ = ["combine", "expert_outputs", "merge_expert_parallel", "moe", "route"]
 SMALL_PAIRS = 64
 """Up to this many (token, slot) pairs, each pair is its own M-tile (decode-sized batches)."""
 
-SMALL_TILE = (16, 64, 4, 4)
+SMALL_TILE = (16, 64, 128, 4, 4)
 """The per-pair tile: 16 rows (one used), as few as the tensor core takes. Same bits as any
 other tile (`tests/gpu/test_cuda_kernels.py`)."""
 
@@ -183,12 +184,14 @@ def expert_outputs(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     local_experts: Sequence[int] | None = None,
+    segments: int = 1,
 ) -> torch.Tensor:
     """[T, k, H] SwiGLU output of each (token, slot)'s expert, in x's dtype; slots whose expert
-    is not in `local_experts` (default: all) stay zero. The gradient is a per-expert torch
-    loop's."""
+    is not in `local_experts` (default: all) stay zero; the down projection's K in `segments`.
+    The gradient is a per-expert torch loop's."""
+    check_segments(w_down.shape[-1], segments)
     return exact_with_native_grad(
-        lambda *a: _expert_outputs_exact(*a, topk_ids, local_experts),
+        lambda *a: _expert_outputs_exact(*a, topk_ids, local_experts, segments),
         lambda *a: _expert_outputs_native(*a, topk_ids, local_experts),
         x, w_gate, w_up, w_down,
     )  # fmt: skip
@@ -206,7 +209,7 @@ def _expert_outputs_native(x, w_gate, w_up, w_down, topk_ids, local_experts):
     return out
 
 
-def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts):
+def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segments):
     t, k = topk_ids.shape
     num_experts, hidden = w_gate.shape[0], w_down.shape[1]
     ids = topk_ids.reshape(-1).long()
@@ -220,16 +223,17 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts):
         pair = torch.arange(n, device=ids.device)
         tiles = (torch.where(ids < num_experts, ids, -1), pair, pair + 1)
         mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=SMALL_TILE)
-        down = mm(silu_mul(mm(x, w_gate, rows=pair // k), mm(x, w_up, rows=pair // k)), w_down)
+        h = silu_mul(mm(x, w_gate, rows=pair // k), mm(x, w_up, rows=pair // k))
+        down = mm(h, w_down, segments=segments)
         if local_experts is not None:  # non-local rows were never written
             down = torch.where((ids < num_experts)[:, None], down, 0.0)
         return down.view(t, k, hidden)
-    tile = _linear.tile_for(n, w_gate.shape[1])
+    tile = _linear.tile_for(n, w_gate.shape[1], segments)
     order, tiles = _tiles(ids, num_experts, tile[0])
     rows = (order // k).to(torch.int64)
     mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=tile)
     gate, up = mm(x, w_gate, rows=rows), mm(x, w_up, rows=rows)
-    down = mm(silu_mul(gate, up), w_down)
+    down = mm(silu_mul(gate, up), w_down, segments=segments)
     # Rows of non-local pairs were never written: select, never multiply, to drop them.
     down = torch.where((ids[order] < num_experts)[:, None], down, 0.0)
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
@@ -245,7 +249,8 @@ def moe(
     w_down: torch.Tensor,
     top_k: int,
     renormalize: bool = True,
+    segments: int = 1,
 ) -> torch.Tensor:
     """The whole sparse MoE block on one rank: route, every expert, combine."""
     ids, weights = route(x, gate_weight, top_k, renormalize)
-    return combine(expert_outputs(x, ids, w_gate, w_up, w_down), ids, weights)
+    return combine(expert_outputs(x, ids, w_gate, w_up, w_down, None, segments), ids, weights)
