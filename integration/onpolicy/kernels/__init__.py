@@ -222,9 +222,7 @@ def moe_expert_outputs(
 ) -> torch.Tensor:
     """[T, k, H] per-(token, slot) SwiGLU outputs for the experts in `local_experts`; the down
     projection's K (the expert's intermediate size) in `segments` segments."""
-    return _impl("expert_outputs", x)(
-        x, topk_ids, w_gate, w_up, w_down, local_experts, segments
-    )
+    return _impl("expert_outputs", x)(x, topk_ids, w_gate, w_up, w_down, local_experts, segments)
 
 
 def moe_merge_expert_parallel(
@@ -258,7 +256,8 @@ def moe(
 
 __all__ = [
     "K_BLOCK", "KV_BLOCK", "VOCAB_SEGMENTS", "attention", "combine_partials", "embedding",
-    "k_segments", "linear", "linear_partial", "log_softmax", "moe", "moe_combine", "moe_expert_outputs",
+    "k_segments", "linear", "linear_partial", "log_softmax", "moe", "moe_combine",
+    "moe_expert_outputs",
     "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",
     "rms_norm", "rope", "rope_table", "row_parallel_exact", "row_parallel_linear",
     "scale_logits", "silu_mul", "sumexp_partial", "token_logprobs", "tree_sum",

@@ -106,8 +106,10 @@ def _root(c, s0, s1, s2, s3, s4, s5, n: tl.constexpr):
 
 
 @triton.jit
-def _segment(x_rows, w_cols, m_ok, n_ok, k0, seg_k: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+def _segment(
+    x_rows, w_cols, m_ok, n_ok, k0, seg_k: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
     """One segment [k0, k0 + seg_k): its chunks' products chained from zero."""
     rk = tl.arange(0, BK)
     c = tl.zeros((BM, BN), dtype=tl.float32)
