@@ -37,7 +37,7 @@ from onpolicy.kernels.cpu import norm as cpu_norm  # noqa: E402
 from onpolicy.kernels.cpu import rope as cpu_rope  # noqa: E402
 from onpolicy.kernels.cpu.logprob import scale_logits  # noqa: E402
 from onpolicy.kernels.cuda import attention, elementwise, linear, logprob, moe  # noqa: E402
-from onpolicy.kernels.rules import K_BLOCK, KV_BLOCK, MMA_LEAF, row_parallel_exact  # noqa: E402
+from onpolicy.kernels.rules import K_BLOCK, KV_BLOCK, row_parallel_exact  # noqa: E402
 from onpolicy.kernels.tree import pairwise_tree_sum  # noqa: E402
 
 interpreter_dot.install()
@@ -101,8 +101,8 @@ def dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (gamma(k) + gamma(k, U64)) * (x.double().abs() @ w.double().abs().T) + TINY
 
 
-def chained_leaf(x: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """One leaf of the kernel: the K_BLOCK chunks of [lo, hi) chained into one fp32
+def chained(x: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """One segment of the kernel: the K_BLOCK chunks of [lo, hi) chained into one fp32
     accumulator from zero, each chunk one fixed-order dot."""
     c = np.zeros((x.shape[0], w.shape[0]), np.float32)
     for j in range(lo, hi, K_BLOCK):
@@ -152,21 +152,23 @@ def interpreter_dot_is_the_fixed_fma_chain() -> None:
 
 
 @check
-def gemm_leaves_sum_by_the_pairwise_tree() -> None:
-    """One 64 x 64 tile: each leaf is its 128-wide chunks chained into one accumulator, and
-    the leaves are added by `pairwise_tree_sum`. Controls: the leaves left to right, and one
-    leaf's chunks summed by a tree instead of chained."""
-    for leaves in (1, 2, 3, 5, 6, 7, 8, 11):
-        k = MMA_LEAF * leaves
-        x, w = wide(64, k, seed=leaves), randn(64, k, seed=100 + leaves)
-        got = linear.tree_mm(x, w)
-        parts = [chained_leaf(x, w, j * MMA_LEAF, (j + 1) * MMA_LEAF) for j in range(leaves)]
-        assert_bitwise(got, pairwise_tree_sum(parts), f"{leaves} leaves vs the tree")
-        if leaves >= 5:
-            differ(got, sum(parts[1:], parts[0]), f"{leaves} leaves left to right")
-        if leaves == 1:
-            chunks = [chained_leaf(x, w, j, j + K_BLOCK) for j in range(0, MMA_LEAF, K_BLOCK)]
-            differ(got, pairwise_tree_sum(chunks), "a leaf's chunks by the tree")
+def gemm_segments_sum_by_the_pairwise_tree() -> None:
+    """One 64 x 64 tile: each of the S segments is its chunks chained into one accumulator
+    from zero, and the segments are added by `pairwise_tree_sum`; S = 1 is one chain over all
+    of K. Controls: the segments left to right, and one segment's chunks summed by a tree
+    instead of chained."""
+    for segments, width in ((1, 512), (2, 256), (3, 128), (5, 128), (6, 256), (7, 128),
+                            (8, 128), (11, 128)):  # fmt: skip
+        k = segments * width
+        x, w = wide(64, k, seed=segments), randn(64, k, seed=100 + segments)
+        got = linear.tree_mm(x, w, segments=segments)
+        parts = [chained(x, w, j * width, (j + 1) * width) for j in range(segments)]
+        assert_bitwise(got, pairwise_tree_sum(parts), f"{segments} segments vs the tree")
+        if segments >= 5:
+            differ(got, sum(parts[1:], parts[0]), f"{segments} segments left to right")
+        if segments == 1:
+            chunks = [chained(x, w, j, j + K_BLOCK) for j in range(0, k, K_BLOCK)]
+            differ(got, pairwise_tree_sum(chunks), "one segment's chunks by the tree")
 
 
 @check
@@ -187,17 +189,27 @@ def gemm_rows_are_independent_of_the_batch() -> None:
 
 
 @check
-def gemm_shards_of_whole_leaves_are_exact() -> None:
-    """TP shards of whole 512-wide leaves keep the bits; shards of half a leaf (TP 8 at
-    K = 2048) cut the chained order and do not."""
-    k = 4 * MMA_LEAF
+def gemm_shards_of_whole_segments_are_exact() -> None:
+    """K = 768 (Qwen3-30B-A3B's expert width) in S = 4 segments: TP shards of whole segments
+    (tp 1, 2, 4) keep the S = 4 bits; tp 2 with S = 2 gives another sum (the S = 2 bits, also
+    exact against S = 2 unsharded), and TP shards that split a segment are refused."""
+    k, s = 768, 4
     x, w = wide(9, k, seed=3), wide(20, k, seed=4)
-    full = linear.linear(x, w)
-    for tp in (2, 4):
-        assert row_parallel_exact(k, tp, "cuda"), tp
-        assert_bitwise(linear.row_parallel_linear(x, w, tp), full, f"tp {tp}")
-    assert not row_parallel_exact(k, 8, "cuda")
-    differ(linear.row_parallel_linear(x, w, 8), full, "tp 8, half a leaf per shard")
+    full = linear.linear(x, w, segments=s)
+    for tp in (1, 2, 4):
+        assert row_parallel_exact(k, tp, s), tp
+        assert_bitwise(linear.row_parallel_linear(x, w, tp, segments=s), full, f"tp {tp}")
+    assert not row_parallel_exact(k, 8, s)
+    two = linear.row_parallel_linear(x, w, 2, segments=2)
+    assert_bitwise(two, linear.linear(x, w, segments=2), "tp 2 of S = 2")
+    differ(two, full, "S = 2 vs S = 4")
+    differ(linear.linear(x, w), full, "S = 1 vs S = 4")
+    try:
+        linear.row_parallel_linear(x, w, 8, segments=s)
+    except ValueError as e:
+        assert "split its 4 segments" in str(e), e
+    else:
+        raise AssertionError("tp 8 of 4 segments was not refused")
 
 
 def attention_ref(q, k, v, scale):

@@ -14,9 +14,9 @@ import pytest
 HERE = Path(__file__).parent
 NAMES = [
     "interpreter_dot_is_the_fixed_fma_chain",
-    "gemm_leaves_sum_by_the_pairwise_tree",
+    "gemm_segments_sum_by_the_pairwise_tree",
     "gemm_rows_are_independent_of_the_batch",
-    "gemm_shards_of_whole_leaves_are_exact",
+    "gemm_shards_of_whole_segments_are_exact",
     "attention_decode_and_chunks_equal_packed_prefill",
     "packed_sequences_do_not_see_each_other",
     "moe_grouped_rows_equal_linear_per_expert",

@@ -38,8 +38,24 @@ import triton.language as tl
 from onpolicy.kernels.cpu.attention import _scale, varlen_with_native_grad
 from onpolicy.kernels.rules import KV_BLOCK
 
-BLOCK_M, NUM_WARPS, NUM_STAGES = 64, 4, 2
-"""The one tile configuration: 64 (token, head) rows per program, one KV head."""
+Tile = tuple[int, int, int]
+"""(BLOCK_M (token, head) rows per program, warps, pipeline stages) of one launch."""
+
+DECODE: Tile = (16, 4, 3)
+"""A few new tokens per request (decode): a GQA group's heads fill the rows."""
+PREFILL: Tile = (64, 4, 2)
+"""Many new tokens per request (prefill, long chunks)."""
+FORCE: Tile | None = None
+"""Tests set this to run every launch at one tile (the bits must not change)."""
+
+
+def tile_for(rows: int, requests: int) -> Tile:
+    """The tile from shapes the host knows (no sync): (token, head) rows and requests. Rows
+    never mix inside a product, so any tile gives the same bits."""
+    if FORCE is not None:
+        return FORCE
+    return DECODE if rows <= DECODE[0] * max(requests, 1) else PREFILL
+
 
 KV_PARTITION = 512
 """Keys per partition: partitions start at absolute positions 0, 512, 1024, ... for every
@@ -210,7 +226,8 @@ def _merge_kernel(
              mask=row_ok[:, None])  # fmt: skip
 
 
-def _schedule(q_starts, n_new, kv_lens, kv_base, g: int, n_tokens: int, dev) -> torch.Tensor:
+def _schedule(q_starts, n_new, kv_lens, kv_base, g: int, n_tokens: int, dev,
+              bm: int) -> torch.Tensor:  # fmt: skip
     """[6, n_tiles] int64 on `dev`: per M-tile its request (-1: unused), first row, and the
     request's first token, new tokens, keys and base row. Built on the device from device
     tensors (no host sync; n_tiles is the bound n_tokens * g / BLOCK_M + requests), or on the
@@ -219,45 +236,46 @@ def _schedule(q_starts, n_new, kv_lens, kv_base, g: int, n_tokens: int, dev) -> 
         r = n_new.numel()
         if r == 0:
             return torch.empty(6, 0, dtype=torch.int64, device=dev)
-        per = (n_new * g + BLOCK_M - 1) // BLOCK_M
+        per = (n_new * g + bm - 1) // bm
         ends = torch.cumsum(per, 0)
-        slots = torch.arange(n_tokens * g // BLOCK_M + r, device=dev)
+        slots = torch.arange(n_tokens * g // bm + r, device=dev)
         req = torch.searchsorted(ends, slots, right=True)
         rc = req.clamp(max=r - 1)
-        row = (slots - (ends - per)[rc]) * BLOCK_M
+        row = (slots - (ends - per)[rc]) * bm
         cols = [torch.where(req < r, req, -1), row, q_starts[rc], n_new[rc], kv_lens[rc],
                 kv_base[rc]]  # fmt: skip
         return torch.stack([c.to(torch.int64) for c in cols])
     rows: list[list[int]] = [[], [], [], [], [], []]
     for i, n in enumerate(n_new):
-        for f0 in range(0, n * g, BLOCK_M):
+        for f0 in range(0, n * g, bm):
             for col, val in zip(rows, (i, f0, q_starts[i], n, kv_lens[i], kv_base[i]),
                                 strict=True):  # fmt: skip
                 col.append(val)
     return torch.tensor(rows, dtype=torch.int64).to(dev)
 
 
-def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int):
-    """q [T, Hq, D]; k_rows, v_rows [rows, Hkv, D]; the schedule; pages [R, P] on device;
-    max_keys bounds every request's keys (it sizes the split grid)."""
+def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, tile: Tile):
+    """q [T, Hq, D]; k_rows, v_rows [rows, Hkv, D]; the schedule (cut for `tile`); pages
+    [R, P] on device; max_keys bounds every request's keys (it sizes the split grid)."""
     t, hq, d = q.shape
     hkv = k_rows.shape[1]
     g = hq // hkv
+    bm, warps, stages = tile
     out = torch.empty_like(q)
     n_tiles = sched.shape[1]
     if n_tiles == 0 or t == 0:
         return out
     parts = max(1, triton.cdiv(max_keys, KV_PARTITION))
     split = parts > 1 and n_tiles * hkv < SPLIT_BELOW
-    ws = (torch.empty(n_tiles * hkv * parts * BLOCK_M * (d + 2), dtype=torch.float32,
+    ws = (torch.empty(n_tiles * hkv * parts * bm * (d + 2), dtype=torch.float32,
                       device=q.device) if split else out)  # fmt: skip
-    common = dict(G=g, D=d, BM=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    common = dict(G=g, D=d, BM=bm, num_warps=warps, enable_fp_fusion=False)
     _attn_kernel[(n_tiles, hkv, parts if split else 1)](
         q, k_rows, v_rows, out, ws, sched, n_tiles, pages, pages.stride(0), page_size,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
         scale, BN=KV_BLOCK, P=KV_PARTITION, SPLIT=split, IEEE=q.dtype == torch.float32,
-        num_stages=NUM_STAGES, **common,
+        num_stages=stages, **common,
     )  # fmt: skip
     if split:
         _merge_kernel[(n_tiles, hkv)](
@@ -287,10 +305,12 @@ def _varlen_exact(q, k, v, cu_seqlens, scale):
     cu = _host_ints(cu_seqlens)
     _check_shapes(q, k.shape[1])
     starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    sched = _schedule(starts, lens, lens, starts, q.shape[1] // k.shape[1], q.shape[0], q.device)
+    g = q.shape[1] // k.shape[1]
+    tile = tile_for(q.shape[0] * g, len(lens))
+    sched = _schedule(starts, lens, lens, starts, g, q.shape[0], q.device, tile[0])
     pages = torch.zeros(1, 1, dtype=torch.int64, device=q.device)
     return _launch(_rows(q), _rows(k), _rows(v), sched, pages[:, :1].expand(len(lens), 1),
-                   _UNPAGED, scale, max(lens, default=0))  # fmt: skip
+                   _UNPAGED, scale, max(lens, default=0), tile)  # fmt: skip
 
 
 def attention(
@@ -336,9 +356,11 @@ def paged_attention(
         cu = cu_seqlens_q.to(torch.int64)
         n_new = cu[1:] - cu[:-1]
         lens = kv_lens.to(torch.int64)
-        sched = _schedule(cu[:-1], n_new, lens, torch.zeros_like(lens), g, q.shape[0], q.device)
+        tile = tile_for(q.shape[0] * g, n_new.numel())
+        sched = _schedule(cu[:-1], n_new, lens, torch.zeros_like(lens), g, q.shape[0], q.device,
+                          tile[0])  # fmt: skip
         return _launch(_rows(q), k_rows, v_rows, sched, pages, page_size, _scale(q, scale),
-                       pages.shape[1] * page_size)  # fmt: skip
+                       pages.shape[1] * page_size, tile)  # fmt: skip
     cu = _host_ints(cu_seqlens_q)
     if len(cu) < 2:
         return q.new_zeros(q.shape)
@@ -359,6 +381,7 @@ def paged_attention(
             raise ValueError(f"attention: {n} new tokens but only {kv} keys in the cache")
         if w * page_size < kv:
             raise ValueError(f"paged_attention: request {i} has {kv} keys but {w} pages")
-    sched = _schedule(cu[:-1], n_new, lens, [0] * len(lens), g, q.shape[0], q.device)
+    tile = tile_for(q.shape[0] * g, len(n_new))
+    sched = _schedule(cu[:-1], n_new, lens, [0] * len(lens), g, q.shape[0], q.device, tile[0])
     return _launch(_rows(q), k_rows, v_rows, sched, pages, page_size, _scale(q, scale),
-                   max(lens, default=0))  # fmt: skip
+                   max(lens, default=0), tile)  # fmt: skip

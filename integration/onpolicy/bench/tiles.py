@@ -1,0 +1,197 @@
+"""Launch tiles of the exact CUDA kernels, swept at Qwen3-30B-A3B's shapes: per op and size,
+each candidate tile's median time and whether its output is bitwise the default tile's. A tile
+only decides which outputs a program computes, so every row must say `same`; the fastest is
+what `tile_for` should pick. Baselines: cuBLAS (torch.matmul) for the GEMM, the copy bandwidth
+for decode attention, flash SDPA for prefill attention.
+
+    python -m onpolicy.bench.tiles [--only gemm,attention,moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from onpolicy import kernels as K
+from onpolicy.kernels.cuda import attention as A
+from onpolicy.kernels.cuda import linear as L
+from onpolicy.kernels.cuda import moe as M
+
+DTYPE = torch.bfloat16
+GEMM_TILES: tuple[L.Tile, ...] = (
+    (64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (16, 32, 128, 4, 4), (64, 128, 64, 4, 4),
+    (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (64, 256, 64, 4, 4),
+)  # fmt: skip
+"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) candidates."""
+DECODE_TILES: tuple[A.Tile, ...] = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 3), (16, 8, 3),
+                                    (32, 4, 3), (64, 4, 2))  # fmt: skip
+PREFILL_TILES: tuple[A.Tile, ...] = ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3),
+                                     (128, 4, 2), (64, 8, 3))  # fmt: skip
+SMALL_MOE_TILES: tuple[L.Tile, ...] = ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
+                                       (16, 32, 64, 4, 6), (64, 32, 128, 4, 4))  # fmt: skip
+
+
+def ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> str:
+    ia, ib = (t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+              for t in (a, b))  # fmt: skip
+    return "same" if torch.equal(ia, ib) else f"DIFFER {(ia != ib).sum().item()}"
+
+
+@contextlib.contextmanager
+def forced(module, tile) -> Iterator[None]:
+    saved = module.FORCE
+    module.FORCE = tile
+    try:
+        yield
+    finally:
+        module.FORCE = saved
+
+
+def gemm(dev: torch.device) -> None:
+    shapes = (("qkv", 5120, 2048, 1), ("o_proj", 2048, 4096, 1), ("o_proj", 2048, 4096, 2),
+              ("expert gate", 768, 2048, 1), ("expert down", 2048, 768, 1),
+              ("expert down", 2048, 768, 2))  # fmt: skip
+    for name, n, k, s in shapes:
+        w = torch.randn(n, k, device=dev, dtype=DTYPE) * k**-0.5
+        for m in (1, 64, 512, 4096, 16384):
+            x = torch.randn(m, k, device=dev, dtype=DTYPE)
+            ref = K.linear(x, w, segments=s)
+            alone = K.linear(x[:3], w, segments=s)
+            base = ms(lambda: x @ w.T)  # noqa: B023
+            flop = 2 * m * n * k
+            print(f"gemm {name} K={k} N={n} S={s} M={m}: cuBLAS {base:.4f} ms "
+                  f"{flop / base / 1e9:.0f} TFLOP/s; default {L.tile_for(m, n, s)}; "
+                  f"rows alone {same(alone, ref[:3])}")  # fmt: skip
+            for tile in GEMM_TILES:
+                try:
+                    with forced(L, tile):
+                        out = K.linear(x, w, segments=s)
+                        t = ms(lambda: K.linear(x, w, segments=s))  # noqa: B023
+                except Exception as e:  # a tile that does not compile (shared memory) is skipped
+                    print(f"  {tile}: {type(e).__name__} {str(e)[:80]}")
+                    continue
+                print(f"  {tile}: {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s "
+                      f"ratio {base / t:.2f} {same(out, ref)}")  # fmt: skip
+
+
+def copy_bw(dev: torch.device) -> float:
+    src = torch.ones(1 << 30, dtype=torch.int8, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def attention(dev: torch.device) -> None:
+    bw = copy_bw(dev)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    hq, hkv, d, ctx, ps = 32, 4, 128, 4096, 16
+    for b in (1, 8, 64, 512):
+        per = ctx // ps
+        kp = torch.randn(b * per, ps, hkv, d, device=dev, dtype=DTYPE)
+        vp = torch.randn_like(kp)
+        table = torch.randperm(b * per, device=dev).view(b, per)
+        q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
+        cu = torch.arange(b + 1, device=dev)
+        lens = torch.full((b,), ctx, device=dev)
+        ref = K.paged_attention(q, kp, vp, cu, table, lens)
+        nbytes = 2 * kp.numel() * kp.element_size()
+        print(f"decode B={b} ctx={ctx}: default {A.tile_for(b * hq // hkv, b)}")
+        for split_below in (A.SPLIT_BELOW, 4 * A.SPLIT_BELOW):
+            for tile in DECODE_TILES:
+                saved = A.SPLIT_BELOW
+                A.SPLIT_BELOW = split_below
+                try:
+                    with forced(A, tile):
+                        out = K.paged_attention(q, kp, vp, cu, table, lens)
+                        t = ms(lambda: K.paged_attention(q, kp, vp, cu, table, lens))  # noqa: B023
+                finally:
+                    A.SPLIT_BELOW = saved
+                print(f"  {tile} split<{split_below}: {t * 1e3:.1f} us "
+                      f"{nbytes / t / 1e9 / 1e3:.2f} TB/s = {nbytes / t * 1e3 / bw:.0%} of copy "
+                      f"{same(out, ref)}")  # fmt: skip
+    for n, seqs in ((4096, 1), (16384, 4)):
+        q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
+        k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
+        v = torch.randn_like(k)
+        cu = [i * n // seqs for i in range(seqs + 1)]
+        ref = K.attention(q, k, v, cu)
+        qh, kh, vh = (t.view(seqs, n // seqs, -1, d).transpose(1, 2) for t in (q, k, v))
+
+        def flash(qh=qh, kh=kh, vh=vh):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                      enable_gqa=True)  # fmt: skip
+
+        base = ms(flash)
+        print(f"prefill {seqs} x {n // seqs}: flash {base:.3f} ms; default "
+              f"{A.tile_for(n * hq // hkv, seqs)}")  # fmt: skip
+        for tile in PREFILL_TILES:
+            with forced(A, tile):
+                out = K.attention(q, k, v, cu)
+                t = ms(lambda: K.attention(q, k, v, cu))  # noqa: B023
+            print(f"  {tile}: {t:.3f} ms ratio {base / t:.2f} {same(out, ref)}")
+
+
+def moe(dev: torch.device) -> None:
+    e, h, i, top = 128, 2048, 768, 8
+    gate = torch.randn(e, h, device=dev, dtype=DTYPE) * h**-0.5
+    wg, wu = (torch.randn(e, i, h, device=dev, dtype=DTYPE) * h**-0.5 for _ in range(2))
+    wd = torch.randn(e, h, i, device=dev, dtype=DTYPE) * i**-0.5
+    for m in (1, 8):
+        x = torch.randn(m, h, device=dev, dtype=DTYPE)
+        ref = K.moe(x, gate, wg, wu, wd, top)
+        for tile in SMALL_MOE_TILES:
+            saved = M.SMALL_TILE
+            M.SMALL_TILE = tile
+            try:
+                out = K.moe(x, gate, wg, wu, wd, top)
+                eager = ms(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
+                g = torch.cuda.CUDAGraph()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    K.moe(x, gate, wg, wu, wd, top)
+                torch.cuda.current_stream().wait_stream(s)
+                with torch.cuda.graph(g):
+                    y = K.moe(x, gate, wg, wu, wd, top)
+                g.replay()
+                graphed = ms(g.replay)
+                print(f"moe M={m} small tile {tile}: eager {eager:.3f} ms, graph "
+                      f"{graphed * 1e3:.1f} us {same(out, ref)} graph {same(y, ref)}")  # fmt: skip
+            finally:
+                M.SMALL_TILE = saved
+    for m in (4096, 16384):
+        x = torch.randn(m, h, device=dev, dtype=DTYPE)
+        ref = K.moe(x, gate, wg, wu, wd, top)
+        flop = 2 * m * top * 3 * h * i
+        for tile in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                     (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)):  # fmt: skip
+            with forced(L, tile):
+                out = K.moe(x, gate, wg, wu, wd, top)
+                t = ms(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
+            print(f"moe M={m} tile {tile}: {t:.3f} ms {flop / t / 1e9:.0f} TFLOP/s "
+                  f"{same(out, ref)}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="gemm,attention,moe")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    for name in args.only.split(","):
+        {"gemm": gemm, "attention": attention, "moe": moe}[name](dev)
+
+
+if __name__ == "__main__":
+    main()
