@@ -24,12 +24,16 @@ from onpolicy.kernels.cuda import linear as L
 from onpolicy.kernels.cuda import moe as M
 
 DTYPE = torch.bfloat16
-GEMM_TILES: tuple[L.Tile, ...] = (
-    (64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (16, 32, 128, 4, 4), (64, 128, 64, 4, 4),
-    (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-    (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (64, 256, 64, 4, 4),
+SMALL_GEMM_TILES: tuple[L.Tile, ...] = (
+    (64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (16, 32, 128, 4, 4), (64, 32, 64, 4, 6),
+    (64, 64, 64, 4, 5), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4),
 )  # fmt: skip
-"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) candidates."""
+"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) candidates up to M = 512."""
+LARGE_GEMM_TILES: tuple[L.Tile, ...] = (
+    (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
+    (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
+)  # fmt: skip
+"""Candidates above M = 512, each with and without TMA."""
 DECODE_TILES: tuple[A.Tile, ...] = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 3), (16, 8, 3),
                                     (32, 4, 3), (64, 4, 2))  # fmt: skip
 PREFILL_TILES: tuple[A.Tile, ...] = ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3),
@@ -73,16 +77,35 @@ def gemm(dev: torch.device) -> None:
             print(f"gemm {name} K={k} N={n} S={s} M={m}: cuBLAS {base:.4f} ms "
                   f"{flop / base / 1e9:.0f} TFLOP/s; default {L.tile_for(m, n, s)}; "
                   f"rows alone {same(alone, ref[:3])}")  # fmt: skip
-            for tile in GEMM_TILES:
+            tiles = SMALL_GEMM_TILES if m <= 512 else LARGE_GEMM_TILES
+            for tile, tma in [(t, tma) for t in tiles for tma in (True, False)]:
+                if m <= 512 and not tma and tile[2] * 2 > 128:
+                    continue  # TMA is not used for this tile anyway
+                L.TMA = tma
                 try:
                     with forced(L, tile):
                         out = K.linear(x, w, segments=s)
                         t = ms(lambda: K.linear(x, w, segments=s))  # noqa: B023
                 except Exception as e:  # a tile that does not compile (shared memory) is skipped
-                    print(f"  {tile}: {type(e).__name__} {str(e)[:80]}")
+                    print(f"  {tile} tma={tma}: {type(e).__name__} {str(e)[:80]}")
                     continue
-                print(f"  {tile}: {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s "
+                finally:
+                    L.TMA = True
+                print(f"  {tile} tma={tma}: {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s "
                       f"ratio {base / t:.2f} {same(out, ref)}")  # fmt: skip
+
+
+def graphed(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn captured as a CUDA graph (after a warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
 
 
 def copy_bw(dev: torch.device) -> float:
@@ -117,8 +140,12 @@ def attention(dev: torch.device) -> None:
                 finally:
                     A.SPLIT_BELOW = saved
                 print(f"  {tile} split<{split_below}: {t * 1e3:.1f} us "
-                      f"{nbytes / t / 1e9 / 1e3:.2f} TB/s = {nbytes / t * 1e3 / bw:.0%} of copy "
+                      f"{nbytes / t / 1e9:.2f} TB/s = {nbytes / t * 1e3 / bw:.0%} of copy "
                       f"{same(out, ref)}")  # fmt: skip
+        g = graphed(lambda: K.paged_attention(q, kp, vp, cu, table, lens))  # noqa: B023
+        t = ms(g.replay)
+        print(f"  default as a CUDA graph: {t * 1e3:.1f} us {nbytes / t / 1e9:.2f} TB/s = "
+              f"{nbytes / t * 1e3 / bw:.0%} of copy")  # fmt: skip
     for n, seqs in ((4096, 1), (16384, 4)):
         q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
         k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
@@ -156,18 +183,12 @@ def moe(dev: torch.device) -> None:
             try:
                 out = K.moe(x, gate, wg, wu, wd, top)
                 eager = ms(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
-                g = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    K.moe(x, gate, wg, wu, wd, top)
-                torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(g):
-                    y = K.moe(x, gate, wg, wu, wd, top)
+                y = torch.empty_like(out)
+                g = graphed(lambda: y.copy_(K.moe(x, gate, wg, wu, wd, top)))  # noqa: B023
                 g.replay()
-                graphed = ms(g.replay)
+                replay = ms(g.replay)
                 print(f"moe M={m} small tile {tile}: eager {eager:.3f} ms, graph "
-                      f"{graphed * 1e3:.1f} us {same(out, ref)} graph {same(y, ref)}")  # fmt: skip
+                      f"{replay * 1e3:.1f} us {same(out, ref)} graph {same(y, ref)}")  # fmt: skip
             finally:
                 M.SMALL_TILE = saved
     for m in (4096, 16384):
@@ -181,6 +202,23 @@ def moe(dev: torch.device) -> None:
                 t = ms(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
             print(f"moe M={m} tile {tile}: {t:.3f} ms {flop / t / 1e9:.0f} TFLOP/s "
                   f"{same(out, ref)}")  # fmt: skip
+        profile(f"moe M={m}", lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
+    x = torch.randn(1, h, device=dev, dtype=DTYPE)
+    profile("moe M=1", lambda: K.moe(x, gate, wg, wu, wd, top))
+
+
+def profile(what: str, fn: Callable[[], object]) -> None:
+    """Where the GPU time of fn goes, by kernel."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    print(f"--- {what}: GPU time by kernel (5 calls)")
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -79,14 +79,24 @@ def _merge(m, denom, acc, m_p, denom_p, acc_p):
 
 
 @triton.jit
+def _columns_tree(v, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr):
+    """Row sums of v [BM, BN = 2^LOG_BN] by the pairwise tree over the columns: each level
+    adds neighbouring pairs, one add per output, so the order is the data's, not the layout's
+    (`tl.sum` reduces in an order that follows the threads' layout, which the tile sets)."""
+    for lvl in tl.static_range(LOG_BN):
+        v = tl.sum(tl.reshape(v, (BM, BN >> (lvl + 1), 2)), 2)
+    return tl.reshape(v, (BM,))
+
+
+@triton.jit
 def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
                q_pos, row_ok, lo0, hi, kvh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
-               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr,
                IEEE: tl.constexpr):  # fmt: skip
     """The state (m, l, acc) of keys [lo0, hi) for each row, from (-inf, 0, 0)."""
     d = tl.arange(0, D)
     m = tl.full((BM,), float("-inf"), tl.float32)
-    denom = tl.zeros((BM,), tl.float32)
+    lcol = tl.zeros((BM, BN), tl.float32)  # the denominator, per key column of the block
     acc = tl.zeros((BM, D), tl.float32)
     for lo in range(lo0, hi, BN):
         kp = lo + tl.arange(0, BN)
@@ -108,15 +118,15 @@ def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base
         m_use = tl.where(live, m_new, 0.0)
         alpha = tl.exp(m - m_use)
         p = tl.where(valid, tl.exp(s - m_use[:, None]), 0.0)
-        denom_new = denom * alpha + tl.sum(p, 1)
+        lcol_new = lcol * alpha[:, None] + p
         if IEEE:
             acc_new = tl.dot(p, vb, acc * alpha[:, None], input_precision="ieee")
         else:
             acc_new = tl.dot(p.to(vb.dtype), vb, acc * alpha[:, None])
         m = tl.where(live, m_new, m)
-        denom = tl.where(live, denom_new, denom)
+        lcol = tl.where(live[:, None], lcol_new, lcol)
         acc = tl.where(live[:, None], acc_new, acc)
-    return m, denom, acc
+    return m, _columns_tree(lcol, BM, BN, LOG_BN), acc
 
 
 @triton.jit
@@ -124,7 +134,7 @@ def _attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, ws_ptr, sched_ptr, n_tiles, pages_ptr, stride_pages, page_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    LOG_BN: tl.constexpr, P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     req = tl.load(sched_ptr + pid)  # the schedule: 6 rows of n_tiles int64 (see _schedule)
@@ -151,7 +161,7 @@ def _attn_kernel(
         m, denom, acc = _partition(
             q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
             row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh, stride_vt,
-            stride_vh, scale, D, BM, BN, IEEE,
+            stride_vh, scale, D, BM, BN, LOG_BN, IEEE,
         )  # fmt: skip
         at = ((pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + part).to(tl.int64)
         st = ws_ptr + at * BM * (D + 2)
@@ -164,13 +174,13 @@ def _attn_kernel(
         m, denom, acc = _partition(
             q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
             row_ok, 0, tl.minimum(P, hi), kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-            scale, D, BM, BN, IEEE,
+            scale, D, BM, BN, LOG_BN, IEEE,
         )  # fmt: skip
         for lo0 in range(P, hi, P):
             m_p, denom_p, acc_p = _partition(
                 q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
                 q_pos, row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
-                stride_vt, stride_vh, scale, D, BM, BN, IEEE,
+                stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE,
             )  # fmt: skip
             m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
             sees = q_pos >= lo0
@@ -274,7 +284,8 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
         q, k_rows, v_rows, out, ws, sched, n_tiles, pages, pages.stride(0), page_size,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
-        scale, BN=KV_BLOCK, P=KV_PARTITION, SPLIT=split, IEEE=q.dtype == torch.float32,
+        scale, BN=KV_BLOCK, LOG_BN=KV_BLOCK.bit_length() - 1, P=KV_PARTITION, SPLIT=split,
+        IEEE=q.dtype == torch.float32,
         num_stages=stages, **common,
     )  # fmt: skip
     if split:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from onpolicy.kernels import autograd as _shared
 from onpolicy.kernels.rules import check_segments
@@ -130,10 +131,56 @@ def _segment(
 
 
 @triton.jit
+def _segment_tma(x_desc, w_desc, row0, col0, k0, seg_k: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """`_segment` through the tensor-memory accelerator: the same chunks, the same chain."""
+    c = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in range(0, seg_k, BK):
+        a = x_desc.load([row0, k0 + j])
+        b = w_desc.load([col0, k0 + j])
+        c = tl.dot(a, b.T, c)
+    return c
+
+
+@triton.jit
+def _mm_tma_kernel(
+    x_desc, w_desc, out_ptr, M, N, stride_om, OUT_FP32: tl.constexpr,
+    SEGMENTS: tl.constexpr, SEG_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """`_mm_kernel` for a plain [M, K] x with whole chunks in every segment, its tiles loaded
+    by TMA (rows past M read as zero)."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BN)
+    n_tiles_m = tl.cdiv(M, BM)
+    group = pid // (GROUP_M * n_tiles_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_tiles_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_tiles_n)) // size_m
+    row0, col0 = pid_m * BM, pid_n * BN
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
+    for j in tl.static_range(SEGMENTS - 1):
+        c = _segment_tma(x_desc, w_desc, row0, col0, j * SEG_K, SEG_K, BM, BN, BK)
+        s0, s1, s2, s3, s4, s5 = _push(c, s0, s1, s2, s3, s4, s5, j)
+    c = _segment_tma(x_desc, w_desc, row0, col0, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK)
+    acc = _root(c, s0, s1, s2, s3, s4, s5, SEGMENTS - 1)
+    rm = row0 + tl.arange(0, BM)
+    rn = col0 + tl.arange(0, BN)
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
+    if OUT_FP32:
+        tl.store(out, acc, mask=ok)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _mm_kernel(
-    x_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    x_ptr, w_ptr, out_ptr, rows_ptr, dst_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     M, N, stride_xm, stride_we, stride_wn, stride_om,
-    GATHER: tl.constexpr, GROUPED: tl.constexpr, OUT_FP32: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, GROUPED: tl.constexpr, OUT_FP32: tl.constexpr,
     SEGMENTS: tl.constexpr, SEG_K: tl.constexpr, EVEN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE: tl.constexpr,
@@ -171,7 +218,8 @@ def _mm_kernel(
     c = _segment(x_rows, w_cols, m_ok, n_ok, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK, EVEN,
                  IEEE)  # fmt: skip
     acc = _root(c, s0, s1, s2, s3, s4, s5, SEGMENTS - 1)
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    dst = tl.load(dst_ptr + rm, mask=m_ok, other=0) if SCATTER else rm
+    out = out_ptr + dst.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if OUT_FP32:
         tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
     else:
@@ -182,14 +230,16 @@ def tree_mm(
     x: torch.Tensor, weight: torch.Tensor, *, segments: int = 1,
     out_dtype: torch.dtype | None = None, rows: torch.Tensor | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    out_rows: int | None = None, tile: Tile | None = None,
+    out_rows: int | None = None, tile: Tile | None = None, dst: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight[N, K].T, K in `segments` chained segments added by the tree; fp32
     out unless `out_dtype`.
 
     Grouped (MoE): weight is [E, N, K], `tiles` = (expert, first row, end row) per M-tile of
     the output, `rows` [out_rows] the row of x each output row reads (None: the same row), and
-    `tile` the tile the table was cut for (its BLOCK_M rows per M-tile).
+    `tile` the tile the table was cut for (its BLOCK_M rows per M-tile); `dst` [out_rows] the
+    row of `out` (given, or new) each computed row is stored to (None: the same row).
     """
     k = x.shape[-1]
     if weight.shape[-1] != k:
@@ -204,7 +254,8 @@ def tree_mm(
         weight = weight.contiguous()
     n = weight.shape[-2]
     m = x.shape[0] if out_rows is None else out_rows
-    out = torch.empty(m, n, device=x.device, dtype=out_dtype or torch.float32)
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=out_dtype or torch.float32)
     grouped = tiles is not None
     bm, bn, bk, warps, stages = tile or tile_for(m, n, segments)
     n_tiles = tiles[0].numel() if grouped else triton.cdiv(m, bm)
@@ -212,16 +263,44 @@ def tree_mm(
         return out.zero_()
     dummy = out
     seg_k = k // segments
+    if _tma_fits(x, weight, grouped or rows is not None or dst is not None, seg_k, bk):
+        _mm_tma_kernel[(n_tiles * triton.cdiv(n, bn),)](
+            TensorDescriptor.from_tensor(x, [bm, bk]),
+            TensorDescriptor.from_tensor(weight, [bn, bk]), out, m, n, out.stride(0),
+            OUT_FP32=out_dtype is None, SEGMENTS=segments, SEG_K=seg_k, BM=bm, BN=bn, BK=bk,
+            GROUP_M=8, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return out
     te, ts, tend = tiles if grouped else (dummy, dummy, dummy)
     _mm_kernel[(n_tiles * triton.cdiv(n, bn),)](
-        x, weight, out, rows if rows is not None else dummy, te, ts, tend, m, n, x.stride(0),
+        x, weight, out, rows if rows is not None else dummy, dst if dst is not None else dummy,
+        te, ts, tend, m, n, x.stride(0),
         weight.stride(0) if grouped else 0, weight.stride(-2), out.stride(0),
-        GATHER=rows is not None, GROUPED=grouped, OUT_FP32=out_dtype is None,
+        GATHER=rows is not None, SCATTER=dst is not None, GROUPED=grouped,
+        OUT_FP32=out_dtype is None,
         SEGMENTS=segments, SEG_K=seg_k, EVEN=seg_k % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
         IEEE=x.dtype == torch.float32, num_warps=warps,
         num_stages=stages if x.dtype != torch.float32 else 1,
     )  # fmt: skip
     return out
+
+
+TMA = True
+"""Load plain GEMM tiles by TMA where the shapes allow (the bits are the same either way)."""
+
+
+def _tma_fits(x: torch.Tensor, w: torch.Tensor, indexed: bool, seg_k: int, bk: int) -> bool:
+    """TMA needs 16-byte aligned rows and bases, whole chunks in every segment (a descriptor
+    zero-fills only past the tensor's end, not past a segment's), and half-precision inputs."""
+    if (
+        not (TMA and x.is_cuda)
+        or indexed
+        or seg_k % bk
+        or x.dtype not in (torch.bfloat16, torch.float16)
+    ):
+        return False
+    return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (x, w))  # fmt: skip
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:

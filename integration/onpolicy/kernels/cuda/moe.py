@@ -233,11 +233,11 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
     rows = (order // k).to(torch.int64)
     mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=tile)
     gate, up = mm(x, w_gate, rows=rows), mm(x, w_up, rows=rows)
-    down = mm(silu_mul(gate, up), w_down, segments=segments)
-    # Rows of non-local pairs were never written: select, never multiply, to drop them.
-    down = torch.where((ids[order] < num_experts)[:, None], down, 0.0)
-    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-    out[order] = down
+    # Each row is stored straight to its pair's place; rows of non-local pairs are never
+    # computed, so they keep the zeros they start with.
+    out = (torch.empty if local_experts is None else torch.zeros)(n, hidden, dtype=x.dtype,
+                                                                    device=x.device)  # fmt: skip
+    mm(silu_mul(gate, up), w_down, segments=segments, dst=order, out=out)
     return out.view(t, k, hidden)
 
 
