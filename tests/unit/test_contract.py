@@ -17,6 +17,7 @@ from onpolicy.contract import (
     ContractError,
     RunConfig,
     config_from_dict,
+    k_segments,
     load_config,
     resolve_plan,
     validate,
@@ -24,6 +25,8 @@ from onpolicy.contract import (
 from onpolicy.contract.plan import ENV_WHY
 from onpolicy.models import QWEN3_30B_A3B
 from onpolicy.models import TINY as TINY_SHAPE
+from onpolicy.segments import ENV as K_SEGMENTS_ENV
+from onpolicy.segments import KSegments
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = CONFIGS / "tiny-cpu.toml"
@@ -63,11 +66,6 @@ BROKEN = [
     ("sp_required", TINY, {"training.sp": False}, ["training.tp = 2", "training.sp = true"]),
     ("ep_divides_dp", TINY, {"training.ep": 4}, ["training.ep = 4", "= 2"]),
     ("rollout_ep_divides_tp", TINY, {"rollout.ep": 4}, ["rollout.ep = 4", "rollout.tp = 2"]),
-    ("rollout_moe_tp_tree_exact", TINY, {"rollout.ep": 1, "model.tiny.moe_intermediate_size": 48},
-     ["2 / 1 = 2", "training.etp = 1", "model.tiny.moe_intermediate_size = 48", "shards of 24",
-      "set rollout.ep = 2"]),
-    ("rollout_moe_tp_tree_exact", PUBLISHED, {"training.etp": 2},
-     ["2 / 2 = 1", "training.etp = 2", "shards of 384", "set rollout.ep = 1"]),
     ("colocated_gpus", TINY, {"rollout.engines": 3, "rollout.colocate": True},
      ["3 x 2 = 6", "training.world = 8"]),
     ("pp_divides_layers", PUBLISHED, {"hf.num_hidden_layers": 47},
@@ -93,9 +91,22 @@ BROKEN = [
     ("vocab_parallel_exact", PUBLISHED,
      {"rollout.tp": 16, "rollout.ep": 16, "rollout.colocate": False},
      ["rollout.tp = 16", "151936", "8 equal segments", "set rollout.tp to one of [1, 2, 4, 8]"]),
-    ("rollout_tp_tree_exact", PUBLISHED,
-     {"hf.num_attention_heads": 24, "rollout.tp": 4, "rollout.ep": 4, "rollout.engines": 2},
-     ["rollout.tp = 4", "training.tp = 2", "K = heads x head_dim = 3072", "128"]),
+]  # fmt: skip
+
+# Rules that an earlier rule pre-empts in `validate`: the shard rules refuse the same layout
+# first (a K that a TP does not divide). Each is called alone on its layout, and `validate` is
+# shown to refuse that layout too, by the earlier rule.
+# (rule, the rule validate names, base config, edits, substrings of the rule's own message)
+PRE_EMPTED = [
+    ("expert_k_segments", "shard_moe_intermediate", TINY,
+     {"training.etp": 2, "rollout.ep": 1, "model.tiny.moe_intermediate_size": 33},
+     ["training.etp = 2", "model.tiny.moe_intermediate_size = 33 into 2 shards", "S = 1",
+      "rollout.tp / rollout.ep = 2 / 1 = 2", "[1]"]),
+    ("attention_k_segments", "shard_heads", TINY,
+     {"model.tiny.num_attention_heads": 3, "model.tiny.num_key_value_heads": 1,
+      "model.tiny.head_dim": 10, "rollout.tp": 4, "rollout.ep": 4},
+     ["rollout.tp = 4", "heads x head_dim = 3 x 10 = 30 into 4 shards", "S = 2",
+      "training.tp = 2", "[1, 2]"]),
 ]  # fmt: skip
 
 # Refused while the config is read, before any rule: how the model is named, and its dims.
@@ -162,24 +173,79 @@ def test_rule_refuses(rule: str, base: Path, edits: dict, needles: list[str]) ->
         assert needle in msg, f"{needle!r} not in {msg!r}"
 
 
+@pytest.mark.parametrize(
+    ("rule", "first", "base", "edits", "needles"), PRE_EMPTED, ids=[r for r, *_ in PRE_EMPTED]
+)
+def test_pre_empted_rule_refuses(rule: str, first: str, base: Path, edits: dict,
+                                 needles: list[str]) -> None:  # fmt: skip
+    cfg = changed(base, **edits)
+    with pytest.raises(ContractError) as e:
+        RULES[rule](cfg)
+    msg = str(e.value)
+    assert e.value.rule == rule, msg
+    assert msg.startswith(f"[{rule}] ") and "\n  fix: " in msg, msg
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    with pytest.raises(ContractError) as e:
+        validate(cfg)
+    assert e.value.rule == first, str(e.value)
+
+
 def test_every_rule_has_a_broken_case() -> None:
-    assert set(RULES) == {rule for rule, *_ in BROKEN}
+    assert set(RULES) == {rule for rule, *_ in BROKEN} | {rule for rule, *_ in PRE_EMPTED}
 
 
-def test_rollout_tp_may_differ_where_the_tree_keeps_it_exact() -> None:
-    # Tiny attention K = 4 x 16 = 64: TP2 and TP4 cut it into 32 and 16 wide power-of-2 slices
-    # of the one block, both aligned subtrees, so the rollout may use TP4 against training TP2.
-    cfg = changed(TINY, **{"rollout.tp": 4, "rollout.ep": 4, "rollout.engines": 1})
+# Layouts where the two sides cut a row-parallel K differently; both cut it into the run's S
+# segments, so both compute the same segment tree. (base, edits, the run's S)
+DIFFERENT_CUTS = {
+    # Tiny attention K = 4 x 16 = 64, training TP 2, rollout TP 4: S = 4 segments of 16.
+    "tiny-rollout-tp4": (TINY, {"rollout.tp": 4, "rollout.ep": 4, "rollout.engines": 1},
+                         KSegments(attention=4, experts=1)),
+    # Attention K = 24 x 128 = 3072 (24 blocks), rollout TP 4: S = 4 segments of 768 (6 blocks).
+    # The old rule (one block tree, shards of it) refused it: 6 blocks are not a subtree.
+    "published-heads24-rollout-tp4": (PUBLISHED, {"hf.num_attention_heads": 24, "rollout.tp": 4,
+                                                  "rollout.ep": 4, "rollout.engines": 2},
+                                      KSegments(attention=4, experts=1)),
+    # Tiny expert K = 32 at rollout MoE TP 2 (TP2, EP1) against training ETP 1: S = 2.
+    "tiny-moe-tp2": (TINY, {"rollout.ep": 1}, KSegments(attention=2, experts=2)),
+    # Expert K = 48 at MoE TP 2: two 24-wide segments. The old rule refused it: a 24-wide shard
+    # is not a subtree of the pairwise tree over 48.
+    "tiny-expert-k48-moe-tp2": (TINY, {"rollout.ep": 1, "model.tiny.moe_intermediate_size": 48},
+                                KSegments(attention=2, experts=2)),
+    # Qwen3-30B-A3B's expert K = 768 (6 blocks) at training ETP 2 against rollout MoE TP 1:
+    # S = 2 segments of 384 (3 blocks), one a trainer rank. The old rule refused it.
+    "published-etp2": (PUBLISHED, {"training.etp": 2}, KSegments(attention=2, experts=2)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DIFFERENT_CUTS))
+def test_the_sides_may_cut_k_differently(case: str) -> None:
+    base, edits, want = DIFFERENT_CUTS[case]
+    cfg = changed(base, **edits)
     plan = resolve_plan(cfg)
-    assert plan.gpus_per_engine == 4 and plan.rollout_dims["moe_tp"] == 1
+    assert k_segments(cfg) == plan.k_segments == want
+    env = f"attention={want.attention},experts={want.experts}"
+    assert plan.training_env[K_SEGMENTS_ENV] == plan.rollout_env[K_SEGMENTS_ENV] == env
 
 
-def test_rollout_moe_tp_may_differ_from_etp_where_the_tree_keeps_it_exact() -> None:
-    # Tiny expert K = 32: rollout MoE TP 2 (TP2, EP1) cuts it into 16-wide power-of-2 slices of
-    # the one block, an aligned subtree, so it agrees with training ETP 1 (the whole tree).
-    cfg = changed(TINY, **{"rollout.ep": 1})
-    plan = resolve_plan(cfg)
-    assert plan.rollout_dims["moe_tp"] == 2 and cfg.training.etp == 1
+def test_k_segments_env_round_trips_and_refuses_malformed_values() -> None:
+    s = KSegments(attention=4, experts=2)
+    assert KSegments.parse(s.env_value()) == s and s.env_value() == "attention=4,experts=2"
+    assert KSegments.parse(" experts=1 , attention=8") == KSegments(attention=8, experts=1)
+    bad = {
+        "attention=2": "experts missing",
+        "attention=2,experts=1,attention=2": "'attention=2' is not one of",
+        "attention=2,expert=1": "'expert=1' is not one of",
+        "attention=two,experts=1": "'attention=two' is not one of",
+        "attention=3,experts=1": "attention = 3; S is 1 or a power-of-2 TP",
+        "attention=0,experts=1": "attention = 0",
+        "": "'' is not one of",
+    }
+    for text, needle in bad.items():
+        with pytest.raises(ValueError) as e:
+            KSegments.parse(text)
+        assert str(e.value).startswith(f"{K_SEGMENTS_ENV}={text!r}: "), str(e.value)
+        assert needle in str(e.value), (text, str(e.value))
 
 
 def test_published_plan_layout() -> None:
@@ -205,8 +271,9 @@ def test_published_plan_layout() -> None:
     ]  # fmt: skip
     assert "--sequence-parallel" in plan.megatron_args
     assert plan.sglang_args["tp_size"] == 2 and plan.sglang_args["ep_size"] == 2
-    # The exact ops and collectives fix their own order: nothing to set for NCCL.
-    assert plan.training_env == plan.rollout_env == {}
+    # The exact ops and collectives fix their own order: nothing to set for NCCL. Only the K
+    # segments: attention K = 32 x 128 = 4096 over TP 2 on both sides; experts whole (MoE TP 1).
+    assert plan.training_env == plan.rollout_env == {K_SEGMENTS_ENV: "attention=2,experts=1"}
 
 
 def test_schema_fields_drive_the_rules() -> None:
@@ -226,7 +293,8 @@ def test_plan_environment_is_explained_and_needed(tmp_path: Path) -> None:
     vector level gives other bits than AVX2 for the same exact ops (measured in subprocesses,
     since the level is fixed when torch loads)."""
     plan = resolve_plan(load_config(TINY))
-    assert plan.training_env == plan.rollout_env == {"ATEN_CPU_CAPABILITY": "avx2"}
+    want = {"ATEN_CPU_CAPABILITY": "avx2", K_SEGMENTS_ENV: "attention=2,experts=1"}
+    assert plan.training_env == plan.rollout_env == want
     assert set(plan.training_env) <= set(ENV_WHY)
     script = tmp_path / "ops.py"
     script.write_text(

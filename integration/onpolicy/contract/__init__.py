@@ -1,8 +1,9 @@
 """qwen3_moe_true_on_policy_v1: the schema, the run config, the topology rules and the plan.
 
 `load_config(path)` reads a TOML run config; `validate(cfg)` raises the first failing rule's
-`ContractError`; `resolve_plan(cfg)` validates and derives engines, per-rank layout, engine
-arguments and environment. `onpolicy validate --config FILE` prints that plan.
+`ContractError`; `k_segments(cfg)` gives S of each row-parallel matmul; `resolve_plan(cfg)`
+validates and derives engines, per-rank layout, K segments, engine arguments and environment.
+`onpolicy validate --config FILE` prints that plan.
 """
 
 from onpolicy.contract.config import (
@@ -17,7 +18,7 @@ from onpolicy.contract.config import (
 )
 from onpolicy.contract.errors import ContractError, is_power_of_2
 from onpolicy.contract.plan import Plan, format_plan, plan_dict, resolve_plan
-from onpolicy.contract.rules import RULES, validate
+from onpolicy.contract.rules import RULES, k_segments, validate
 from onpolicy.contract.schema import QWEN3_MOE_TRUE_ON_POLICY_V1, Contract
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "format_plan",
     "from_dict",
     "is_power_of_2",
+    "k_segments",
     "load_config",
     "model_shape",
     "parse_override",

@@ -10,8 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from onpolicy.contract.config import RunConfig
-from onpolicy.contract.rules import rollout_moe_tp, validate
+from onpolicy.contract.rules import k_segments, rollout_moe_tp, validate
 from onpolicy.contract.schema import QWEN3_MOE_TRUE_ON_POLICY_V1 as V1
+from onpolicy.segments import ENV as K_SEGMENTS_ENV
+from onpolicy.segments import KSegments
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,6 +40,8 @@ class Plan:
     """tp, ep and the derived MoE TP of one engine."""
     rollout_ranks: list[dict[str, object]]
     """Per engine rank: engine, device, tp, moe_ep, moe_tp and experts."""
+    k_segments: KSegments
+    """S of each row-parallel matmul, the same on both sides (`contract.k_segments`)."""
     megatron_args: list[str]
     """Megatron command-line arguments for the layout and the exact numerics."""
     sglang_args: dict[str, object]
@@ -52,14 +56,18 @@ ENV_WHY = {
     "ATEN_CPU_CAPABILITY": "torch's CPU vector kernels (exp, log, sqrt) round differently at the "
     "DEFAULT level than at AVX2; one level for every process keeps the CPU ops' bits equal on "
     "every x86-64 host",
+    K_SEGMENTS_ENV: "the S equal segments each row-parallel matmul's K is cut into "
+    "(contract.k_segments); trainer, engines and reference must all cut it alike, and a "
+    "process alone would take its own TP",
 }
 """Why each variable of a plan's environment is set. The exact ops fix their own reduction
 order (thread count included) and the collectives fix theirs, so nothing else is needed: not
-NCCL_ALGO, not OMP_NUM_THREADS."""
+NCCL_ALGO, not OMP_NUM_THREADS. Only the K segments depend on the run: both sides' layouts."""
 
 
 def _env(cfg: RunConfig) -> dict[str, str]:
-    return {"ATEN_CPU_CAPABILITY": "avx2"} if cfg.device == "cpu" else {}
+    cpu = {"ATEN_CPU_CAPABILITY": "avx2"} if cfg.device == "cpu" else {}
+    return cpu | {K_SEGMENTS_ENV: k_segments(cfg).env_value()}
 
 
 def _megatron_args(cfg: RunConfig) -> list[str]:
@@ -131,6 +139,7 @@ def resolve_plan(cfg: RunConfig) -> Plan:
         gpus_per_engine=r.tp,
         rollout_dims={"tp": r.tp, "ep": r.ep, "moe_tp": moe_tp},
         rollout_ranks=rollout_ranks,
+        k_segments=k_segments(cfg),
         megatron_args=_megatron_args(cfg),
         sglang_args=_sglang_args(cfg),
         training_env=_env(cfg),
@@ -162,6 +171,9 @@ def format_plan(cfg: RunConfig, plan: Plan) -> str:
         f"rollout   {plan.engines} engines x {plan.gpus_per_engine} "
         f"{'GPUs' if plan.device == 'cuda' else 'CPU ranks'} per engine: "
         f"{_dims(plan.rollout_dims)}",
+        f"segments  attention output K {m.num_attention_heads * m.head_dim}: "
+        f"S = {plan.k_segments.attention}; experts' down K {m.moe_intermediate_size}: "
+        f"S = {plan.k_segments.experts}",
         "",
         "training ranks",
         "  rank  tp  dp  pp | etp  ep  edp | layers    experts",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from onpolicy.contract.config import RunConfig
 from onpolicy.contract.errors import ContractError, is_power_of_2
 from onpolicy.contract.schema import QWEN3_MOE_TRUE_ON_POLICY_V1 as V1
+from onpolicy.segments import KSegments
 
 
 def training_dp(cfg: RunConfig) -> int:
@@ -271,55 +272,64 @@ def vocab_parallel_exact(cfg: RunConfig) -> None:
             )
 
 
-def rollout_tp_tree_exact(cfg: RunConfig) -> None:
-    """Different TP on the two sides cuts the attention output projection's K differently; the
-    results agree only where each cut keeps the tree (both equal the unsharded tree)."""
-    ttp, rtp = cfg.training.tp, cfg.rollout.tp
-    if ttp == rtp:
-        return
-    from onpolicy.kernels import K_BLOCK, row_parallel_exact
-    from onpolicy.kernels.rules import MMA_LEAF
+def k_segments(cfg: RunConfig) -> KSegments:
+    """S of each row-parallel matmul of the run (`kernels.rules.k_segments`): the largest TP
+    of either side that cuts its K and divides it. Every process of the run cuts that K into
+    these S segments (the plan hands them over in ONPOLICY_K_SEGMENTS, `onpolicy.segments`)."""
+    from onpolicy.kernels.rules import k_segments as segments_of
 
-    k = cfg.shape.num_attention_heads * cfg.shape.head_dim
-    for name, tp in (("training.tp", ttp), ("rollout.tp", rtp)):
-        if not row_parallel_exact(k, tp, cfg.device):
+    m = cfg.shape
+    return KSegments(
+        attention=segments_of(m.num_attention_heads * m.head_dim,
+                              (cfg.training.tp, cfg.rollout.tp)),
+        experts=segments_of(m.moe_intermediate_size, (cfg.training.etp, rollout_moe_tp(cfg))),
+    )  # fmt: skip
+
+
+def _segments_exact(rule: str, what: str, k: int, total: int, sides: dict[str, int],
+                    settable: str) -> None:  # fmt: skip
+    from onpolicy.kernels.rules import row_parallel_exact
+
+    for name, tp in sides.items():
+        if not row_parallel_exact(k, tp, total):
+            cut = " and ".join(f"{n} = {t}" for n, t in sides.items())
             raise ContractError(
-                "rollout_tp_tree_exact",
-                f"rollout.tp = {rtp} differs from training.tp = {ttp}, and {name} = {tp} cuts "
-                f"the attention projection's K = heads x head_dim = {k} into shards of "
-                f"{k // tp}: not an aligned subtree of the {K_BLOCK}-wide block tree, so the "
-                "two sides' sums would differ",
-                f"set rollout.tp = training.tp = {ttp}, or use TPs where K / TP is a power of "
-                f"2 (a power-of-2 count of whole {K_BLOCK}-blocks, or on CPU a power-of-2 slice "
-                f"of one; on CUDA of whole {MMA_LEAF}-wide leaves)",
+                rule,
+                f"{name} = {tp} cuts {what} = {k} into {tp} shards, but the run cuts that K "
+                f"into S = {total} segments (the largest of {cut} that divides it): a shard "
+                "would not hold an aligned power-of-2 count of whole segments, so its sum "
+                "would differ from the other side's",
+                f"set {settable} to powers of 2 that divide {k}: {_pow2_divisors(k)}",
             )
 
 
-def rollout_moe_tp_tree_exact(cfg: RunConfig) -> None:
-    """SGLang's MoE TP and Megatron's ETP cut the experts' down-projection K; different cuts
-    agree only where each keeps the tree (both then equal the unsharded tree)."""
-    moe_tp, etp = rollout_moe_tp(cfg), cfg.training.etp
-    if moe_tp == etp:
-        return
-    from onpolicy.kernels import K_BLOCK, row_parallel_exact
+def attention_k_segments(cfg: RunConfig) -> None:
+    """Both sides cut the attention output projection's K into the run's S segments, each TP
+    rank holding an aligned power-of-2 count of them, so both compute the same segment tree.
+    The shard rules before it make this hold (power-of-2 TPs that divide K); it states why."""
+    m = cfg.shape
+    k = m.num_attention_heads * m.head_dim
+    _segments_exact(
+        "attention_k_segments",
+        f"the attention output projection's K = heads x head_dim = {m.num_attention_heads} x "
+        f"{m.head_dim}", k, k_segments(cfg).attention,
+        {"training.tp": cfg.training.tp, "rollout.tp": cfg.rollout.tp},
+        "training.tp and rollout.tp",
+    )  # fmt: skip
 
-    k = cfg.shape.moe_intermediate_size
-    sides = (
-        ("training.etp", etp),
-        (f"rollout MoE TP = {cfg.rollout.tp} / {cfg.rollout.ep}", moe_tp),
-    )
-    for name, tp in sides:
-        if not row_parallel_exact(k, tp, cfg.device):
-            raise ContractError(
-                "rollout_moe_tp_tree_exact",
-                f"rollout MoE TP = rollout.tp / rollout.ep = {cfg.rollout.tp} / {cfg.rollout.ep} "
-                f"= {moe_tp} differs from training.etp = {etp}, and {name} = {tp} cuts the "
-                f"experts' down-projection K = {dim(cfg, 'moe_intermediate_size')} = {k} into "
-                f"shards of {k // tp}: not an aligned subtree of the {K_BLOCK}-wide block tree, "
-                "so the two sides' sums would differ",
-                f"set rollout.ep = {max(cfg.rollout.tp // etp, 1)} (so rollout.tp / rollout.ep "
-                f"= {etp}), or training.etp = {moe_tp}",
-            )
+
+def expert_k_segments(cfg: RunConfig) -> None:
+    """Megatron's ETP and SGLang's MoE TP cut the experts' down-projection K into the run's S
+    segments, each rank an aligned power-of-2 count of them (see `attention_k_segments`)."""
+    r = cfg.rollout
+    _segments_exact(
+        "expert_k_segments",
+        f"the experts' down-projection K = {dim(cfg, 'moe_intermediate_size')}",
+        cfg.shape.moe_intermediate_size, k_segments(cfg).experts,
+        {"training.etp": cfg.training.etp,
+         f"rollout MoE TP = rollout.tp / rollout.ep = {r.tp} / {r.ep}": rollout_moe_tp(cfg)},
+        "training.etp and rollout.tp / rollout.ep",
+    )  # fmt: skip
 
 
 RULES: dict[str, Callable[[RunConfig], None]] = {
@@ -329,7 +339,7 @@ RULES: dict[str, Callable[[RunConfig], None]] = {
         power_of_2_groups, sp_required, ep_divides_dp, rollout_ep_divides_tp,
         colocated_gpus, pp_divides_layers, shard_heads,
         shard_kv_heads, shard_experts, shard_moe_intermediate, shard_vocab, vocab_parallel_exact,
-        rollout_tp_tree_exact, rollout_moe_tp_tree_exact,
+        attention_k_segments, expert_k_segments,
     )
 }  # fmt: skip
 """Every rule, in the order `validate` checks them; the key is the rule name errors carry."""
