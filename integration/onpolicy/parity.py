@@ -4,7 +4,8 @@ For each layout pair (a rollout engine's TP/EP, a trainer's TP/PP/EP/ETP/SP) of 
 1. the model's HF checkpoint (the config's folder, or the seeded tiny model written once under
    the work folder);
 2. one exact SGLang engine at the rollout layout samples the prompts with per-token log-probs
-   (`onpolicy.parity_rollout`, its own process); pairs with the same rollout share it;
+   (`onpolicy.parity_rollout`, its own process); pairs with the same rollout and the same K
+   segments (the pair's `contract.k_segments`, in both sides' ONPOLICY_K_SEGMENTS) share it;
 3. Megatron at the training layout scores prompt + completion by forward_only
    (`onpolicy.parity_worker` under torchrun);
 4. each generated token's two fp32 log-probs are compared as bits (`onpolicy.bits`).
@@ -29,9 +30,10 @@ import torch
 
 import onpolicy
 from onpolicy.bits import as_bits, hex_bits
-from onpolicy.contract import ContractError, RunConfig, load_config, resolve_plan
+from onpolicy.contract import ContractError, RunConfig, k_segments, load_config, resolve_plan
 from onpolicy.layout import ParallelLayout
 from onpolicy.parity_rollout import RolloutRequest, engine_env
+from onpolicy.segments import KSegments
 
 INTEGRATION = Path(onpolicy.__file__).resolve().parents[1]
 
@@ -356,22 +358,25 @@ def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples
 
 def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
     """Check every pair (contract first, all of them, before anything starts), run one rollout
-    per distinct rollout layout and one trainer job per pair, and compare."""
+    per distinct rollout layout and K segments (S depends on both sides' TPs), one trainer job
+    per pair, and compare."""
     configs = {p: pair_config(run.config, run.overrides, p) for p in pairs}
     workdir = Path(run.workdir)
     first = configs[pairs[0]]
     ckpt = checkpoint(first, workdir)
     prompts = make_prompts(first, run.prompts, run.seed)
-    rollouts: dict[RolloutLayout, tuple[Path, list[dict]]] = {}
+    rollouts: dict[tuple[RolloutLayout, KSegments], tuple[Path, list[dict]]] = {}
     results = []
     for p in pairs:
         cfg = configs[p]
-        if p.rollout not in rollouts:
-            folder = workdir / f"rollout-{p.rollout.name}"
+        key = (p.rollout, k_segments(cfg))
+        if key not in rollouts:
+            s = key[1]
+            folder = workdir / f"rollout-{p.rollout.name}-s{s.attention}-{s.experts}"
             log(f"parity: rollout {p.rollout.name} ({run.prompts} prompts x {run.new_tokens} "
-                f"tokens, T={run.temperature}) ...")  # fmt: skip
-            rollouts[p.rollout] = (folder, rollout(run, cfg, ckpt, p.rollout, prompts, folder))
-        folder, samples = rollouts[p.rollout]
+                f"tokens, T={run.temperature}, K segments {s.env_value()}) ...")  # fmt: skip
+            rollouts[key] = (folder, rollout(run, cfg, ckpt, p.rollout, prompts, folder))
+        folder, samples = rollouts[key]
         log(f"parity: trainer {p.training_name} scores rollout {p.rollout.name} ...")
         out = workdir / f"train-{p.training_name}-{p.rollout.name}"
         scores = train_scores(run, cfg, ckpt, p, folder / "samples.json", out)

@@ -27,7 +27,7 @@ import pytest
 import torch
 from onpolicy.bits import assert_bitwise, n_differ
 from onpolicy.contract.config import load_config
-from onpolicy.contract.rules import validate
+from onpolicy.contract.rules import k_segments, validate
 from onpolicy.kernels import K_BLOCK, row_parallel_exact, vocab_parallel_exact
 from onpolicy.layout import ParallelLayout
 from onpolicy.models.tiny import tiny
@@ -75,12 +75,18 @@ def contract_overrides(layout: ParallelLayout) -> dict[str, object]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_is_exact_by_the_rules(name):
     layout, _ = LAYOUTS[name]
-    validate(load_config(REPO / "configs" / "tiny-cpu.toml", contract_overrides(layout)))
+    cfg = load_config(REPO / "configs" / "tiny-cpu.toml", contract_overrides(layout))
+    validate(cfg)
     attn_k = CFG.num_attention_heads * CFG.head_dim
     # Multi-block trees, so a wrong split would show.
     assert attn_k > K_BLOCK and CFG.moe_intermediate_size > K_BLOCK
-    assert row_parallel_exact(attn_k, layout.tp), (attn_k, layout.tp)
-    assert row_parallel_exact(CFG.moe_intermediate_size, layout.etp)
+    # The run's S is each side's TP here (the rollout mirrors the trainer), which is also what
+    # the workers take with ONPOLICY_K_SEGMENTS unset; the power-of-2 Ks make the reference's
+    # unsplit tree (S = 1) the same bits on CPU.
+    s = k_segments(cfg)
+    assert (s.attention, s.experts) == (layout.tp, layout.etp), s
+    assert row_parallel_exact(attn_k, layout.tp, s.attention), (attn_k, layout.tp)
+    assert row_parallel_exact(CFG.moe_intermediate_size, layout.etp, s.experts)
     assert vocab_parallel_exact(CFG.vocab_size, layout.tp)
 
 

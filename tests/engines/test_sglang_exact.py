@@ -113,12 +113,13 @@ def _runs(layout: str) -> list[dict]:
     return runs
 
 
-def _env(tp: int, tmp: Path) -> dict[str, str]:
+def _env(tp: int, tmp: Path, segments=None) -> dict[str, str]:
     from onpolicy.rollout import engine_env
 
     overlay = [str(REPO / "build" / "upstream" / "sglang")] if _overlay() else []
     path = [*overlay, str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, **engine_env(tp, tmp), "PYTHONPATH": os.pathsep.join(path)}
+    env = {k: v for k, v in os.environ.items() if k != "ONPOLICY_K_SEGMENTS"}
+    return {**env, **engine_env(tp, tmp, segments=segments), "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _overlay() -> bool:
@@ -126,12 +127,15 @@ def _overlay() -> bool:
     return "build/upstream/sglang" in os.environ.get("PYTHONPATH", "")
 
 
-def _run_worker(plan: dict, tp: int, tmp: Path, timeout: float = 1500) -> dict:
+def _run_worker(plan: dict, tp: int, tmp: Path, timeout: float = 1500, segments=None) -> dict:
+    """The worker's results; `segments` (a `KSegments`) goes to its ONPOLICY_K_SEGMENTS, else
+    the engines cut each row-parallel K into their own TP's segments."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "plan.json").write_text(json.dumps(plan))
     out = tmp / "result.json"
     cmd = [sys.executable, str(WORKER), "--plan", str(tmp / "plan.json"), "--out", str(out)]
-    p = subprocess.run(cmd, env=_env(tp, tmp), capture_output=True, text=True, timeout=timeout)
+    env = _env(tp, tmp, segments)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         pytest.fail(f"exact SGLang worker (tp={tp}) exited {p.returncode}\n{p.stderr[-8000:]}")
     return json.loads(out.read_text())
@@ -378,31 +382,76 @@ REFUSALS = {
 
 @pytest.mark.slow
 def test_engine_refuses_settings_off_the_exact_path(tiny_checkpoint, tmp_path):
-    from onpolicy.models import write_tiny_checkpoint
-    from onpolicy.models.tiny import tiny
+    from onpolicy.segments import KSegments
 
-    # moe_intermediate_size 48 at MoE TP 2: shards of 24, not an aligned subtree of the tree.
-    odd = write_tiny_checkpoint(tmp_path / "odd", tiny(moe_intermediate_size=48), seed=0)
     cases = {name: args for name, (args, _) in REFUSALS.items()}
     plan = {"ckpt": str(tiny_checkpoint), "refuse": cases}
     got = _run_worker(plan, 1, tmp_path / "w1")["refusals"]
-    got |= _run_worker({"ckpt": str(odd), "refuse": {"inexact_tp": {"tp": 2}}}, 2,
-                       tmp_path / "w2")["refusals"]  # fmt: skip
+    # A TP2 EP1 engine (MoE TP 2) in a run whose other side leaves the experts whole: S = 1, so
+    # the engine's two shards of the expert K would split its one segment.
+    run = KSegments(attention=2, experts=1)
+    got |= _run_worker({"ckpt": str(tiny_checkpoint), "refuse": {"inexact_tp": {"tp": 2}}}, 2,
+                       tmp_path / "w2", segments=run)["refusals"]  # fmt: skip
     rules = {name: rule for name, (_, rule) in REFUSALS.items()} | {
-        "inexact_tp": "rollout_tp_tree_exact"
+        "inexact_tp": "expert_k_segments"
     }
     for name, rule in rules.items():
         print(f"[refuse {name}] {got[name].splitlines()[0]}")
         assert f"[{rule}]" in got[name], f"{name}: expected a [{rule}] refusal, got {got[name]}"
 
 
-def test_check_tp_names_the_inexact_cut():
-    """Qwen3-30B-A3B's expert K = 768 at MoE TP 2 is 3 blocks a shard: refused; TP EP 2 is not."""
+@pytest.mark.slow
+def test_expert_k_that_the_block_tree_could_not_split_is_exact_in_segments(tmp_path):
+    """moe_intermediate_size 48 at MoE TP 2 (TP2 EP1): 24-wide shards are no subtree of the
+    tree over 48, so one tree over K was refused here. The run cuts it into S = 2 segments
+    (ONPOLICY_K_SEGMENTS), one a rank: the sampled log-probs equal the reference's `score` at
+    the same S. Control: the reference at S = 1 (the unsplit tree) differs."""
+    from onpolicy.models import write_tiny_checkpoint
+    from onpolicy.models.reference import Qwen3MoeReference
+    from onpolicy.models.tiny import tiny
+    from onpolicy.segments import KSegments
+
+    ckpt = write_tiny_checkpoint(tmp_path / "k48", tiny(moe_intermediate_size=48), seed=0)
+    run = KSegments(attention=2, experts=2)
+    engine = {"tp": 2, "ep": 1, "dtype": "bfloat16", "chunked_prefill_size": -1,
+              "disable_radix_cache": True}  # fmt: skip
+    spec = {"name": "k48", "engine": engine, "batches": [COBATCH]}
+    res = _run_worker({"ckpt": str(ckpt), "runs": [spec]}, 2, tmp_path / "w", segments=run)
+    answers = list(zip(COBATCH["requests"], res["runs"]["k48"]["batches"][0], strict=True))
+    counts = {}
+    for name, segments in {"S=2": run, "S=1": KSegments(attention=2, experts=1)}.items():
+        model = Qwen3MoeReference.from_pretrained(ckpt, torch.bfloat16, segments=segments)
+        bad = total = 0
+        for req, ans in answers:
+            prompt = ans["prompt"]
+            want = model.score([prompt + ans["output_ids"]], req["temperature"])[0]
+            d = n_differ(_f32(ans), want[len(prompt) - 1 :])
+            bad, total = bad + d, total + NEW
+        counts[name] = (bad, total)
+    print(f"[k48 tp2-ep1 bf16] differing sampled log-probs vs the reference: {counts}")
+    assert counts["S=2"][0] == 0, counts
+    assert counts["S=1"][0] > 0, counts
+
+
+def test_check_tp_holds_the_engine_to_the_runs_segments():
+    """Qwen3-30B-A3B's expert K = 768 at MoE TP 2: exact in S = 2 segments of 384 (what an
+    engine alone takes, its own TP) or S = 4; refused where the run cuts that K into S = 1
+    (its other side leaves the experts whole), and where the engine's TP exceeds the run's S."""
     from onpolicy.contract import ContractError
     from onpolicy.rollout import check_tp
+    from onpolicy.segments import KSegments
 
     check_tp(2, 2, 32, 128, 768)  # MoE TP 1: experts whole
-    with pytest.raises(ContractError, match=r"rollout_tp_tree_exact.*768 into shards of 384"):
-        check_tp(2, 1, 32, 128, 768)
+    check_tp(2, 1, 32, 128, 768)  # S = the engine's own TP 2
+    check_tp(2, 1, 32, 128, 768, KSegments(attention=2, experts=2))
+    check_tp(2, 1, 32, 128, 768, KSegments(attention=8, experts=4))  # 2 segments a rank
+    with pytest.raises(ContractError, match=r"expert_k_segments.*768 into 2 shards, but the "
+                       r"run cuts it into S = 1 segments \(ONPOLICY_K_SEGMENTS=attention=2,"
+                       r"experts=1\)"):  # fmt: skip
+        check_tp(2, 1, 32, 128, 768, KSegments(attention=2, experts=1))
+    with pytest.raises(ContractError, match=r"attention_k_segments.*4096 into 4 shards.*S = 2"):
+        check_tp(4, 4, 32, 128, 768, KSegments(attention=2, experts=1))
+    with pytest.raises(ContractError, match=r"expert_k_segments.*33 into 2 shards.*its own TP"):
+        check_tp(2, 1, 32, 128, 33)
     with pytest.raises(ContractError, match="power_of_2_groups"):
         check_tp(3, 1, 32, 128, 768)

@@ -24,6 +24,7 @@ from torch import nn
 from onpolicy import kernels as K
 from onpolicy.models.hf_layout import load_hf_state_dict
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.segments import KSegments, current
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer index, q [T, Hq, D], k, v [T, Hkv, D]) -> attention output [T, Hq, D]."""
@@ -35,8 +36,9 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 # --- layers -----------------------------------------------------------------------------------
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, o_segments: int = 1) -> None:
         super().__init__()
+        self.o_segments = o_segments  # S of o_proj's K (onpolicy.segments)
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_q, self.n_kv, self.head_dim, self.eps = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d, cfg.rms_norm_eps,
@@ -55,12 +57,13 @@ class Attention(nn.Module):
         v = K.linear(x, self.v_proj).view(t, self.n_kv, self.head_dim)
         q = K.rope(K.rms_norm(q, self.q_norm, self.eps), positions, rope_table)
         k = K.rope(K.rms_norm(k, self.k_norm, self.eps), positions, rope_table)
-        return K.linear(attend(q, k, v).reshape(t, -1), self.o_proj)
+        return K.linear(attend(q, k, v).reshape(t, -1), self.o_proj, segments=self.o_segments)
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, down_segments: int = 1) -> None:
         super().__init__()
+        self.down_segments = down_segments  # S of the experts' down-projection K
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = _param(torch.empty(e, h, dtype=dtype))
@@ -70,17 +73,17 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return K.moe(x, self.gate, self.w_gate, self.w_up, self.w_down, self.top_k,
-                     self.renormalize)  # fmt: skip
+                     self.renormalize, segments=self.down_segments)  # fmt: skip
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, segments: KSegments) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = _param(torch.empty(cfg.hidden_size, dtype=dtype))
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, segments.attention)
         self.post_attention_layernorm = _param(torch.empty(cfg.hidden_size, dtype=dtype))
-        self.mlp = SparseMoe(cfg, dtype)
+        self.mlp = SparseMoe(cfg, dtype, segments.experts)
 
     def forward(self, h, residual, positions, rope_table, attend):
         """(hidden, residual) in, (hidden, residual) out: the residual add is fused in the norm."""
@@ -95,12 +98,18 @@ class Block(nn.Module):
 
 # --- the model --------------------------------------------------------------------------------
 class Qwen3MoeReference(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype | None = None, *,
+                 segments: KSegments | None = None) -> None:  # fmt: skip
+        """`segments`: S of the row-parallel matmuls' K (unsplit here, the whole S); default
+        this process's ONPOLICY_K_SEGMENTS, else 1 (`onpolicy.segments`). Compare an engine
+        or trainer with the reference at the S they ran with: the run's, or their own TP."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype or cfg.dtype
+        self.segments = segments if segments is not None else current() or KSegments()
         self.embed_tokens = _param(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype))
-        self.layers = nn.ModuleList(Block(cfg, self.dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, self.dtype, self.segments)
+                                    for _ in range(cfg.num_hidden_layers))  # fmt: skip
         self.norm = _param(torch.empty(cfg.hidden_size, dtype=self.dtype))
         self.lm_head = _param(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype))
         self.register_buffer(
@@ -111,21 +120,22 @@ class Qwen3MoeReference(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, dtype: torch.dtype | None = None
-    ) -> Qwen3MoeReference:
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, *,
+        segments: KSegments | None = None,
+    ) -> Qwen3MoeReference:  # fmt: skip
         """Load an HF checkpoint folder (config.json + *.safetensors, hub tensor names)."""
-        model = cls(Qwen3MoeConfig.from_hf(path), dtype)
+        model = cls(Qwen3MoeConfig.from_hf(path), dtype, segments=segments)
         model.load_state_dict(model._from_hf_names(load_hf_state_dict(path)))
         return model
 
     @classmethod
     def random(
         cls, cfg: Qwen3MoeConfig, *, dtype: torch.dtype | None = None,
-        device: str | torch.device = "cpu", seed: int = 0,
+        device: str | torch.device = "cpu", seed: int = 0, segments: KSegments | None = None,
     ) -> Qwen3MoeReference:  # fmt: skip
         """Seeded random weights made directly on `device` (full-size models on one GPU)."""
         with torch.device("meta"):
-            model = cls(cfg, dtype)
+            model = cls(cfg, dtype, segments=segments)
         model.to_empty(device=device)
         table = K.rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         model.rope_table = table.to(device)

@@ -5,11 +5,13 @@ The patched SGLang (patches/sglang) then sends every op of the model to `onpolic
 (`ops`, `moe`, the `attention` backend), every TP/EP sum to `onpolicy.collectives`, and
 sampling to the reference model's rule (`sampler`); `switch.check` refuses, at Engine start,
 any setting that would leave that path. Sampled log-probs then equal
-`onpolicy.models.reference.Qwen3MoeReference.score` bit for bit.
+`onpolicy.models.reference.Qwen3MoeReference.score` bit for bit, the reference built with the
+same K segments as the engine (`onpolicy.segments`; the run's are `contract.k_segments(cfg)`).
 
 Start an exact engine (a fresh process; the environment must be set before `import sglang`):
 
-    env = os.environ | engine_env(tp=2, run_dir="runs/x")        # for the engine's process
+    env = os.environ | engine_env(tp=2, run_dir="runs/x",         # for the engine's process
+                                  segments=contract.k_segments(cfg))
     # in that process:
     engine = launch_engine("path/to/hf-checkpoint", tp=2, ep=2, dtype="bfloat16")
     out = engine.generate(input_ids=[[1, 2, 3]], return_logprob=True,

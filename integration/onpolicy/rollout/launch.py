@@ -7,19 +7,26 @@ from pathlib import Path
 from typing import Any
 
 from onpolicy.rollout.switch import ATTENTION_BACKEND, TARGET
+from onpolicy.segments import ENV as K_SEGMENTS_ENV
+from onpolicy.segments import KSegments
 
 
-def engine_env(tp: int, run_dir: str | os.PathLike, device: str = "cpu") -> dict[str, str]:
+def engine_env(tp: int, run_dir: str | os.PathLike, device: str = "cpu",
+               segments: KSegments | None = None) -> dict[str, str]:  # fmt: skip
     """Environment variables a CPU engine process needs before `import sglang`.
 
     One OpenMP thread per TP rank, each bound to its own core (SGLang asserts ranks <= NUMA
-    nodes without the binding), and SGLang's / inductor's caches under `run_dir`.
+    nodes without the binding), and SGLang's / inductor's caches under `run_dir`. `segments`
+    (the run's `contract.k_segments`) goes to ONPOLICY_K_SEGMENTS; without it the engine cuts
+    each row-parallel K into its own TP's segments.
     """
     run = Path(run_dir)
     env = {
         "SGLANG_CACHE_DIR": str(run / "sglang-cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(run / "inductor-cache"),
     }
+    if segments is not None:
+        env[K_SEGMENTS_ENV] = segments.env_value()
     if device == "cpu":
         cores = os.cpu_count() or 1
         env |= {

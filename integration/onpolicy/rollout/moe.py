@@ -5,8 +5,9 @@ Every TP rank holds the same tokens. Rank r = ep_rank * moe_tp + moe_tp_rank own
 dim (SGLang's layout). Each rank computes, for every (token, slot) whose expert it owns, the
 fp32 partial of the down projection over its slice (zeros elsewhere). One all-gather over the
 TP group gives every rank every partial; then, the same on every rank:
-1. the moe_tp partials of an expert are summed by the pairwise tree in rank order and rounded
-   once: `kernels.linear`'s last step, so the slot output equals the unsharded expert's;
+1. the moe_tp partials of an expert (each over S / moe_tp of the run's S segments of the
+   intermediate dim, `onpolicy.segments`) are summed by the pairwise tree in rank order and
+   rounded once: `kernels.linear`'s last step, so the slot output is the run's segment tree;
 2. each slot is taken from the EP rank owning its expert (a selection, not a sum);
 3. `kernels.moe_combine` sums a token's slots in ascending expert-id order.
 The output is then complete on every rank; the patched `post_experts_output_is_complete` tells
@@ -26,6 +27,7 @@ import torch
 from onpolicy import collectives
 from onpolicy import kernels as K
 from onpolicy.rollout import capture
+from onpolicy.segments import per_rank
 
 
 def sparse_moe_forward(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -45,13 +47,14 @@ def sparse_moe_forward(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Te
     w13, w2 = experts.w13_weight, experts.w2_weight
     inter = w13.shape[1] // 2
     partial = x.new_zeros((*ids.shape, x.shape[-1]), dtype=torch.float32)
+    segments = per_rank("experts", moe_tp)
     for e in range(n_local):
         tok, slot = torch.nonzero(ids == first + e, as_tuple=True)
         if tok.numel() == 0:
             continue
         xe = x[tok]
         h = K.silu_mul(K.linear(xe, w13[e, :inter]), K.linear(xe, w13[e, inter:]))
-        partial[tok, slot] = K.linear_partial(h, w2[e])
+        partial[tok, slot] = K.linear_partial(h, w2[e], segments=segments)
     tp = ep * moe_tp
     if tp > 1:
         gathered = collectives.all_gather(partial[None], get_tp_group().device_group)

@@ -6,8 +6,9 @@ here is SGLang arithmetic. The reduction orders are the kernels' (docs/exactness
 A row-parallel linear (the attention output projection) returns its shard's unrounded fp32
 partial; `all_reduce` sums the partials by the tree in rank order, and `rms_norm` rounds the
 sum once to the model dtype before the residual add: together that is `kernels.linear`'s own
-last step (`combine_partials`), so any power-of-2 TP that `row_parallel_exact` allows gives the
-unsharded bits.
+last step (`combine_partials`). Each rank sums its S / tp of the run's S segments of K
+(`onpolicy.segments`), so the tree over the ranks is the run's segment tree: the trainer's and
+the reference model's bits at any TP that `row_parallel_exact` allows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from onpolicy import collectives
 from onpolicy import kernels as K
+from onpolicy.segments import per_rank
 
 
 def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -34,7 +36,9 @@ def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
             )
         if bias is not None and layer.tp_size > 1:
             raise NotImplementedError("onpolicy linear: row-parallel bias is not supported")
-        partial = K.linear_partial(x.reshape(-1, x.shape[-1]), w)
+        # Qwen3-MoE's one row-parallel linear is the attention output projection (no dense MLP).
+        segments = per_rank("attention", layer.tp_size)
+        partial = K.linear_partial(x.reshape(-1, x.shape[-1]), w, segments=segments)
         if bias is not None:
             partial = partial + bias.float()
         return partial.view(*x.shape[:-1], w.shape[0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from onpolicy.contract.errors import ContractError, is_power_of_2
+from onpolicy.segments import ENV, KSegments
 
 TARGET = "onpolicy"
 """The value of SGLang's `rl_on_policy_target` that turns the exact path on."""
@@ -81,13 +82,15 @@ def _check_features(args: Any) -> None:
 
 
 def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
-             device: str = "cpu") -> None:  # fmt: skip
-    """Refuse a TP/EP whose row-parallel sums would not equal the unsharded reference's.
+             segments: KSegments | None = None) -> None:  # fmt: skip
+    """Refuse a TP/EP whose row-parallel sums would not be the run's segment trees.
 
     The attention output projection is cut over TP along K = heads x head_dim, the experts'
-    down projection over MoE TP = tp / ep along K = moe_intermediate; each cut must be an
-    aligned subtree of the block tree (`kernels.rules.row_parallel_exact`). Embedding, the QKV
-    and gate/up projections and the vocab-parallel LM head are cut along N: exact at any TP.
+    down projection over MoE TP = tp / ep along K = moe_intermediate. Each K is cut into the
+    run's S segments (`segments`, ONPOLICY_K_SEGMENTS; None: S = this engine's own TP), and
+    each rank must hold an aligned power-of-2 count of them (`kernels.rules.row_parallel_exact`).
+    Embedding, the QKV and gate/up projections and the vocab-parallel LM head are cut along N:
+    exact at any TP.
     """
     from onpolicy.kernels.rules import row_parallel_exact
 
@@ -97,25 +100,34 @@ def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
     if tp % ep:
         _refuse("rollout_ep_divides_tp", f"ep_size = {ep} does not divide tp_size = {tp}",
                 "set ep_size to a divisor of tp_size")  # fmt: skip
-    for what, k, t in (("the attention projection's K = heads x head_dim", heads * head_dim, tp),
-                       ("the experts' down projection K = moe_intermediate_size",
-                        moe_intermediate, tp // ep)):  # fmt: skip
-        if not row_parallel_exact(k, t, device):
-            ok = [s for s in (1, 2, 4, 8) if row_parallel_exact(k, s, device)]
-            _refuse("rollout_tp_tree_exact",
-                    f"a TP of {t} cuts {what} = {k} into shards of {k / t:g}: not an aligned "
-                    "subtree of the block tree, so the engine's sums would differ from the "
-                    "reference model's",
-                    f"use a TP (over EP for the experts) in {ok}")  # fmt: skip
+    cuts = (
+        ("attention_k_segments", "a TP", "the attention projection's K = heads x head_dim",
+         heads * head_dim, tp, None if segments is None else segments.attention),
+        ("expert_k_segments", "a MoE TP (tp_size / ep_size)",
+         "the experts' down projection K = moe_intermediate_size", moe_intermediate, tp // ep,
+         None if segments is None else segments.experts),
+    )  # fmt: skip
+    for rule, cut, what, k, t, s in cuts:
+        s = t if s is None else s
+        if not row_parallel_exact(k, t, s):
+            given = (f" (its own TP: {ENV} is not set)" if segments is None
+                     else f" ({ENV}={segments.env_value()})")  # fmt: skip
+            _refuse(rule,
+                    f"{cut} of {t} cuts {what} = {k} into {t} shards, but the run cuts it into "
+                    f"S = {s} segments{given}: a shard would not hold an aligned power-of-2 "
+                    "count of whole segments, so the engine's sums would differ from the "
+                    "trainer's and the reference model's",
+                    f"start the engine at the run's layout with the run's {ENV} (the "
+                    "contract's plan), where the TP divides S")  # fmt: skip
 
 
 def check(args: Any) -> None:
     """Refuse any setting that would leave the exact path; `args` is SGLang's resolving view."""
     _check_backends(args)
     _check_features(args)
+    from onpolicy import segments
     from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig.from_hf(args.model_path)
-    device = getattr(args, "device", None) or "cpu"
     check_tp(args.tp_size, args.ep_size or 1, cfg.num_attention_heads, cfg.head_dim,
-             cfg.moe_intermediate_size, device)  # fmt: skip
+             cfg.moe_intermediate_size, segments.current())  # fmt: skip

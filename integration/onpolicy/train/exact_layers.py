@@ -6,9 +6,10 @@ it like the original. Only the forward arithmetic changes:
 - `ExactColumnParallelLinear`: the SP all-gather of the input by `collectives.all_gather`, then
   `kernels.linear` on this rank's output columns. Column-parallel splits N, so a rank's outputs
   are the unsharded ones.
-- `ExactRowParallelLinear`: `kernels.linear_partial` over this rank's K-shard in fp32, the tree
-  over ranks (`collectives.tree_all_reduce`, or `collectives.reduce_scatter` under SP), then
-  one cast. Equal to the unsharded linear when `row_parallel_exact(K, tp)`.
+- `ExactRowParallelLinear`: `kernels.linear_partial` over this rank's K-shard in fp32 (its
+  S / tp of the run's S segments, `onpolicy.segments`), the tree over ranks
+  (`collectives.tree_all_reduce`, or `collectives.reduce_scatter` under SP), then one cast.
+  Equal to the unsharded linear in S segments when `row_parallel_exact(K, tp, S)`.
 - `ExactRMSNorm`: `kernels.rms_norm` (the layer norms, the q/k norms and the final norm).
 - `ExactCoreAttention`: RoPE (`kernels.rope`, positions restarting at each packed segment),
   then `kernels.attention` over the packed THD segments.
@@ -26,6 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from onpolicy import collectives
 from onpolicy import kernels as K
+from onpolicy.segments import per_rank
 
 
 class ExactColumnParallelLinear(ColumnParallelLinear):
@@ -43,9 +45,10 @@ class ExactColumnParallelLinear(ColumnParallelLinear):
 class ExactRowParallelLinear(RowParallelLinear):
     """RowParallelLinear: fp32 K-shard partial, the tree over TP ranks, one cast."""
 
-    def partial(self, input_: torch.Tensor) -> torch.Tensor:
-        """This rank's fp32 share of input @ weight.T: the tree over its K-shard, unrounded."""
-        return K.linear_partial(input_, self.weight)
+    def partial(self, input_: torch.Tensor, segments: int) -> torch.Tensor:
+        """This rank's fp32 share of input @ weight.T, its K-shard in `segments` segments (its
+        share of the run's S), unrounded."""
+        return K.linear_partial(input_, self.weight, segments=segments)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
@@ -55,7 +58,8 @@ class ExactRowParallelLinear(RowParallelLinear):
                 "ExactRowParallelLinear: an expert's fc2 is reduced by the MoE layer; call "
                 "partial() from ExactSequentialMLP instead"
             )
-        out = self.partial(input_)
+        # The one non-expert row-parallel linear of Qwen3-MoE: the attention output projection.
+        out = self.partial(input_, per_rank("attention", self.tp_group.size()))
         if self.tp_group.size() > 1:
             if self.sequence_parallel:
                 out = collectives.reduce_scatter(out, self.tp_group, dim=0)

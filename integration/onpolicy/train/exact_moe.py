@@ -7,8 +7,9 @@ state-dict names), so that the spec swaps them in. The composition is the refere
 - dispatch: `collectives.ep_dispatch`, every (token, slot) row to the EP rank owning its expert,
   in an order that depends only on the expert ids and token positions;
 - experts: per received row, fc1 (`kernels.linear`), `kernels.silu_mul`, fc2's fp32 partial
-  (`kernels.linear_partial`); under ETP the rows are all-gathered over the expert-TP group and
-  the fc2 partials reduce-scattered back by the tree (`collectives`), then cast once;
+  (`kernels.linear_partial`, S / etp of the run's S segments of its K, `onpolicy.segments`);
+  under ETP the rows are all-gathered over the expert-TP group and the fc2 partials
+  reduce-scattered back by the tree (`collectives`), then cast once;
 - combine: `collectives.ep_combine`, the rows back to their tokens and `kernels.moe_combine`,
   the k weighted outputs summed in ascending expert-id order by the fp32 tree.
 No step depends on which rank holds which expert or which tokens share the batch.
@@ -23,6 +24,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from onpolicy import collectives
 from onpolicy import kernels as K
+from onpolicy.segments import per_rank
 from onpolicy.train.exact_layers import ExactColumnParallelLinear, ExactRowParallelLinear
 
 
@@ -74,11 +76,13 @@ class ExactSequentialMLP(SequentialMLP):
             rows = collectives.all_gather(rows, self.tp_group, split_sizes=counts)
             local_ids = collectives.all_gather(local_ids, self.tp_group, split_sizes=counts)
         partial = rows.new_zeros((rows.shape[0], self.config.hidden_size), dtype=torch.float32)
+        segments = per_rank("experts", etp)
         for i, expert in enumerate(self.local_experts):
             sel = torch.nonzero(local_ids == i).squeeze(1)
             fc1, _ = expert.linear_fc1(rows[sel])
             gate, up = torch.chunk(fc1, 2, dim=-1)  # fc1 is [gate; up] (per ETP rank)
-            partial = partial.index_put((sel,), expert.linear_fc2.partial(K.silu_mul(gate, up)))
+            down = expert.linear_fc2.partial(K.silu_mul(gate, up), segments)
+            partial = partial.index_put((sel,), down)
         if etp > 1:
             partial = collectives.reduce_scatter(partial, self.tp_group, dim=0, split_sizes=counts)
         return K.combine_partials([partial], rows.dtype)

@@ -9,8 +9,8 @@ not name: the router and the MoE layer.
 - RMSNorm (input, pre-MLP, q, k, final): `ExactRMSNorm`, `kernels.rms_norm`;
 - qkv, expert fc1, LM head: `ExactColumnParallelLinear`, `kernels.linear` (the SP all-gather
   by `collectives.all_gather`);
-- attention output: `ExactRowParallelLinear`, `kernels.linear_partial`, the tree all-reduce or
-  reduce-scatter over TP (`collectives`), one cast;
+- attention output: `ExactRowParallelLinear`, `kernels.linear_partial` (the run's K segments,
+  `onpolicy.segments`), the tree all-reduce or reduce-scatter over TP (`collectives`), one cast;
 - RoPE and core attention over packed THD: `ExactCoreAttention`, `kernels.rope`,
   `kernels.attention`;
 - router: `ExactRouter`, `kernels.moe_route`;
