@@ -216,42 +216,80 @@ def test_three_blocks_left_to_right_is_the_tree():
 
 
 # --- tensor parallel (row-parallel) -------------------------------------------------------------
-def shards(x: torch.Tensor, w: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """Each simulated rank's fp32 partial over its contiguous K-slice."""
+def shards(x: torch.Tensor, w: torch.Tensor, tp: int, segments: int) -> list[torch.Tensor]:
+    """Each simulated rank's fp32 partial over its contiguous K-slice: its segments / tp of the
+    K's `segments` segments."""
     xs, ws = x.chunk(tp, dim=-1), w.chunk(tp, dim=-1)
-    return [K.linear_partial(a, b) for a, b in zip(xs, ws, strict=True)]
+    return [K.linear_partial(a, b, segments=segments // tp) for a, b in zip(xs, ws, strict=True)]
 
 
-def row_parallel_reports(x, w, tp: int, b=None) -> list[str]:
-    """The sharded results against the unsharded ones: the combined partials and
-    `row_parallel_linear` against `linear`, and the fp32 tree of the partials against the
-    unsharded fp32 partial (before any rounding)."""
-    full, parts = K.linear(x, w, b), shards(x, w, tp)
+def row_parallel_reports(x, w, tp: int, segments: int, b=None) -> list[str]:
+    """The sharded results against the unsharded ones, K in `segments` segments on both: the
+    combined partials and `row_parallel_linear` against `linear`, and the fp32 tree of the
+    partials against the unsharded fp32 partial (before any rounding)."""
+    full, parts = K.linear(x, w, b, segments=segments), shards(x, w, tp, segments)
     checks = {
         "combine_partials": (K.combine_partials(parts, x.dtype, b), full),
-        "row_parallel_linear": (K.row_parallel_linear(x, w, tp, b), full),
-        "fp32 partials": (K.pairwise_tree_sum(parts), K.linear_partial(x, w)),
+        "row_parallel_linear": (K.row_parallel_linear(x, w, tp, b, segments=segments), full),
+        "fp32 partials": (K.pairwise_tree_sum(parts), K.linear_partial(x, w, segments=segments)),
     }
-    return [f"{what} at tp {tp}: {mismatch_report(got, want)}"
+    return [f"{what} at tp {tp}, S {segments}: {mismatch_report(got, want)}"
             for what, (got, want) in checks.items() if not bitwise_equal(got, want)]  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @settings(PROPERTY, max_examples=150)
 @given(
-    k=st.sampled_from([64, 128, 256, 512, 1024, 2048, 4096]),
+    k=st.sampled_from([64, 96, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]),
     tp=st.sampled_from([1, 2, 4, 8]),
+    per_shard=st.sampled_from([1, 2, 4]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_row_parallel_partials_combine_to_the_unsharded_bits(device, k, tp, dtype, seed):
-    assume(K.row_parallel_exact(k, tp, device))  # CUDA also needs whole MMA leaves per shard
+def test_row_parallel_partials_combine_to_the_unsharded_bits(device, k, tp, per_shard, dtype,
+                                                             seed):  # fmt: skip
+    """Any K, power-of-2 or not: S = tp x a power of 2 segments, each shard holding S / tp."""
+    segments = tp * per_shard
+    assume(k % segments == 0)
+    assert K.row_parallel_exact(k, tp, segments)
     x = wide(6, k, seed=seed, dtype=dtype, device=device)
     w, b = wide(10, k, seed=seed + 1, dtype=dtype, device=device), None
     if seed % 2:
         b = wide(10, seed=seed + 2, dtype=dtype, device=device)
-    reports = row_parallel_reports(x, w, tp, b)
+    reports = row_parallel_reports(x, w, tp, segments, b)
     assert not reports, "\n".join(reports)
+
+
+OLD_INEXACT = [(768, 2, 2), (768, 4, 4), (768, 2, 4), (1536, 2, 2), (96, 2, 2),
+               *((k, 2, 2) for k in BLOCKS_K)]  # fmt: skip
+"""(K, tp, S) whose shards are not aligned subtrees of one block tree over K (S = 1): 768 at
+tp 2 is 3 blocks a shard. Cut into S segments, each shard holds whole segments."""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "tp", "segments"), OLD_INEXACT)
+def test_segments_make_non_power_of_2_shards_exact(device, dtype, k, tp, segments):
+    """`row_parallel_linear(x, w, tp, segments=S)` is `linear(x, w, segments=S)` bit for bit.
+    Negative control in the same shapes: the unsplit K (S = 1) is another sum."""
+    x = wide(16, k, seed=k + tp, dtype=dtype, device=device)
+    w = wide(32, k, seed=k, dtype=dtype, device=device)
+    full = K.linear(x, w, segments=segments)
+    assert_bitwise(K.row_parallel_linear(x, w, tp, segments=segments), full, f"k {k} tp {tp}")
+    reports = row_parallel_reports(x, w, tp, segments)
+    assert not reports, "\n".join(reports)
+    # The fp32 partial shows it in any dtype (bf16's last rounding could hide a few).
+    unsplit = K.linear_partial(x, w)
+    assert n_differ(K.linear_partial(x, w, segments=segments), unsplit) > 0, "S changed nothing"
+
+
+@pytest.mark.parametrize("k", [64, 128, 256, 1024, 4096])
+@pytest.mark.parametrize("segments", [2, 4, 8])
+def test_power_of_2_segments_are_the_block_tree_on_cpu(k, segments):
+    """CPU: with K and S powers of 2 the segment tree is the block tree itself, so S changes no
+    bits. (Not a CUDA claim: there a segment is one chained accumulation.)"""
+    x, w = wide(6, k, seed=k), wide(10, k, seed=k + 1)
+    assert_bitwise(K.linear_partial(x, w, segments=segments), K.linear_partial(x, w), f"k {k}")
 
 
 @pytest.mark.parametrize(("k", "tp"), [(64, 8), (256, 2), (1024, 4), (4096, 8)])
@@ -262,68 +300,62 @@ def test_negative_control_torch_linear_shards_are_not_the_unsharded_sum(k, tp, d
     final rounding can hide it after the combine, never in the fp32 partials."""
     x, w = wide(6, k, seed=k, dtype=dtype), wide(10, k, seed=k + 1, dtype=dtype)
     with one_thread(), K.native_ops():
-        reports = row_parallel_reports(x, w, tp, wide(10, seed=tp, dtype=dtype))
+        reports = row_parallel_reports(x, w, tp, tp, wide(10, seed=tp, dtype=dtype))
     assert any(r.startswith("fp32 partials") for r in reports), reports
     assert any(r.startswith("row_parallel_linear") for r in reports), reports
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_negative_control_naive_shard_sum_differs(device):
-    """Summing the shards' partials left to right (or the BLAS partials) is not the tree.
-    K = 4096 keeps each of the 4 shards whole leaves on CUDA too (see the leaf rule)."""
+    """Summing the shards' partials left to right (or the BLAS partials) is not the tree."""
     x, w = wide(8, 4096, seed=7, device=device), wide(16, 4096, seed=8, device=device)
-    full = K.linear(x, w)
-    parts = shards(x, w, 4)
+    full = K.linear(x, w, segments=4)
+    parts = shards(x, w, 4, 4)
     left_to_right = ((parts[0] + parts[1]) + parts[2]) + parts[3]
     assert not bitwise_equal(left_to_right, full), "left-to-right shard sum"
     blas = sum(a @ b.T for a, b in zip(x.chunk(4, -1), w.chunk(4, -1), strict=True))
     assert not bitwise_equal(blas, full), "BLAS shard partials"
-    assert_bitwise(K.row_parallel_linear(x, w, 4), full, "exact row-parallel")
+    assert_bitwise(K.row_parallel_linear(x, w, 4, segments=4), full, "exact row-parallel")
 
 
 @pytest.mark.parametrize(
-    ("k", "tp", "exact"),
+    ("k", "tp", "segments", "exact"),
     [
-        (768, 1, True),  # Qwen3-30B-A3B expert K, unsharded
-        (768, 2, False),  # 3 blocks per shard: not an aligned subtree
-        (768, 4, False),
-        (2048, 2, True),  # hidden 2048: 8 blocks per shard
-        (4096, 8, True),  # attention K = 32 heads x 128: 4 blocks per shard
-        (1536, 2, False),  # 6 blocks per shard
-        (64, 8, True),  # below one block: 8-element aligned slices of the element tree
-        (96, 2, False),
-        (1024, 3, False),  # not a power of 2
-        (100, 8, False),  # does not divide
+        (768, 1, 1, True),  # Qwen3-30B-A3B expert K, unsharded
+        (768, 2, 1, False),  # one segment cannot be split over 2 shards
+        (768, 2, 2, True),  # two 384-wide segments (3 blocks each), one a shard
+        (768, 4, 4, True),
+        (768, 2, 4, True),  # two 192-wide segments a shard: an aligned subtree of the 4
+        (768, 2, 6, False),  # three a shard: not a subtree of the tree over 6
+        (768, 4, 2, False),  # tp does not divide S
+        (768, 3, 3, True),  # one segment a shard; the contract still asks for powers of 2
+        (4096, 8, 8, True),  # attention K = 32 heads x 128 at TP 8
+        (4096, 2, 8, True),  # TP 2 against the other side's TP 8: 4 segments a shard
+        (64, 8, 8, True),
+        (100, 8, 8, False),  # S does not divide K
+        (1024, 2, 0, False),
     ],
 )
-def test_row_parallel_exact_rule(k, tp, exact):
-    assert K.row_parallel_exact(k, tp) is exact
+def test_row_parallel_exact_rule(k, tp, segments, exact):
+    assert K.row_parallel_exact(k, tp, segments) is exact
 
 
-@pytest.mark.parametrize(
-    ("k", "tp", "exact"),
-    [
-        (4096, 8, True),  # o_proj at TP 8: one 512-wide leaf per shard
-        (4096, 2, True),
-        (2048, 4, True),
-        (2048, 8, False),  # 256 per shard: half a leaf, inside the tensor core's chain
-        (1024, 4, False),
-        (64, 8, False),  # exact on CPU (element tree), not on CUDA
-        (768, 1, True),
-        (1536, 3, False),
-    ],
-)
-def test_row_parallel_exact_rule_on_cuda(k, tp, exact):
-    """The CUDA backend's leaves are chained MMAs, so a shard must hold whole leaves."""
-    assert K.row_parallel_exact(k, tp, "cuda") is exact
+def test_a_cut_that_splits_a_segment_is_refused():
+    x, w = wide(2, 768, seed=1), wide(3, 768, seed=2)
+    with pytest.raises(ValueError, match="tp must divide the segment count"):
+        K.row_parallel_linear(x, w, 4, segments=2)
+    with pytest.raises(ValueError, match="segments = 5 must be >= 1 and divide K = 768"):
+        K.linear(x, w, segments=5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("k", "tp"), [(768, 4), (1536, 2), (96, 2), *((k, 2) for k in BLOCKS_K)])
 def test_inexact_shapes_really_differ_and_stay_row_invariant(device, k, tp):
-    """Where the rule says no, the sharded tree is a different sum: it shows on wide inputs. It
-    is still the same bits for every engine cut at the same tp: a row's sharded result does not
-    depend on the batch."""
+    """The rule's no (`row_parallel_exact(k, tp, 1)`): shards at their own TP (S = tp, one
+    segment each) against the unsplit K (S = 1) are another sum, and it shows on wide inputs.
+    A process alone, at its own TP, is still the same bits for every engine cut at that tp: a
+    row's sharded result does not depend on the batch."""
+    assert not K.row_parallel_exact(k, tp, 1)
     x, w = wide(16, k, seed=k + tp, device=device), wide(32, k, seed=k, device=device)
     full, sharded = K.linear(x, w), K.row_parallel_linear(x, w, tp)
     assert not bitwise_equal(sharded, full), "the rule says inexact, the bits agree"
@@ -345,21 +377,29 @@ def test_negative_control_torch_row_parallel_linear_depends_on_the_batch():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rule_agrees_with_the_kernel_for_every_small_shape(device):
-    """Exact where the rule says so, and different bits wherever it says no: on wide inputs
-    every inexact cut shows in some of the 32 outputs (CPU: 11 to 22; CUDA, whose rule also
-    refuses slices of a leaf: 17 to 32)."""
+    """Exact where the rule says so, and different bits wherever it says no: every K up to 1024
+    that S divides, every tp that divides S; the no's are S / tp = 3, 5, 6, 7 segments a shard
+    (on CPU a power-of-2 S / tp over a power-of-2 K is the block tree whatever the cut, so the
+    no's are the counts that are not powers of 2)."""
     x = wide(4, 1024, seed=11, device=device)
     w = wide(8, 1024, seed=12, device=device)
-    for k in (32, 64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024):
-        for tp in (2, 4, 8):
-            if k % tp:
-                continue
-            sharded = K.row_parallel_linear(x[:, :k], w[:, :k], tp)
-            full = K.linear(x[:, :k], w[:, :k])
-            if K.row_parallel_exact(k, tp, device):
-                assert_bitwise(sharded, full, f"k {k} tp {tp}")
-            else:
-                assert n_differ(sharded, full) > 0, f"k {k} tp {tp}: the rule says inexact"
+    yes = no = 0
+    for k in (96, 192, 256, 384, 512, 640, 768, 896, 1024):
+        for segments in range(1, 17):
+            for tp in (2, 4, 8):
+                if k % segments or segments % tp:
+                    continue
+                args = (x[:, :k], w[:, :k])
+                sharded = K.row_parallel_linear(*args, tp, segments=segments)
+                full = K.linear(*args, segments=segments)
+                if K.row_parallel_exact(k, tp, segments):
+                    assert_bitwise(sharded, full, f"k {k} tp {tp} S {segments}")
+                    yes += 1
+                else:
+                    assert n_differ(sharded, full) > 0, f"k {k} tp {tp} S {segments}: inexact"
+                    no += 1
+    print(f"{yes} exact cuts, {no} inexact ones, all as the rule says")
+    assert yes > 20 and no > 10, (yes, no)
 
 
 # --- backward and dispatch ----------------------------------------------------------------------
