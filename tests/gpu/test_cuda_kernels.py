@@ -1,9 +1,10 @@
-"""What only the CUDA backend has to show: its leaf rule for row-parallel shards; that its
-bits do not depend on the tile shape or on the pipelining (the kernel's compile-time knobs,
-which the GEMM picks by M); that attention's two schedules (partitions merged in registers,
-or split over programs and merged through a workspace) and its device-tensor path give the
-same bits, while another partition width does not; and that the MoE's small-batch schedule
-(one tile per pair) gives the sorted schedule's bits."""
+"""What only the CUDA backend has to show: its segment rule for row-parallel shards (each
+segment one chained tensor-core accumulation); that its bits do not depend on the tile shape,
+the chunk width, the pipelining or TMA loads (the kernel's launch knobs, which the GEMM picks
+by M and S); that attention's tiles and two schedules (partitions merged in registers, or
+split over programs and merged through a workspace) and its device-tensor path give the same
+bits, while another partition width does not; and that the MoE's small-batch schedule (one
+tile per pair, gate and up in one launch) gives the sorted schedule's bits."""
 
 from __future__ import annotations
 
@@ -15,70 +16,100 @@ from onpolicy.bits import assert_bitwise
 from onpolicy.kernels.cuda import attention as A
 from onpolicy.kernels.cuda import linear as L
 from onpolicy.kernels.cuda import moe as M
-from onpolicy.kernels.rules import MMA_LEAF
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
 def tile():
-    """Force the linear kernel's tile for one test, restoring the choice by M after."""
+    """Force the linear kernel's tile (and TMA on or off) for one test, restoring both."""
 
-    def set_tile(bm: int, bn: int, warps: int, stages: int) -> None:
-        L.FORCE = (bm, bn, warps, stages)
+    def set_tile(cfg: L.Tile, tma: bool = True) -> None:
+        L.FORCE, L.TMA = cfg, tma
 
     yield set_tile
-    L.FORCE = None
+    L.FORCE, L.TMA = None, True
 
 
-TILES = [L.SMALL_M, L.LARGE_M, M.SMALL_TILE, (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 8, 3),
-         (32, 64, 4, 4)]  # fmt: skip
+TILES = [L.SMALL_M, L.MID_M, L.LARGE_M, L.LARGE_M_SEGMENTED, L.LARGE_M_INDEXED,
+         L.LARGE_M_SEGMENTED_INDEXED, M.SMALL_TILE, (128, 32, 128, 8, 3), (64, 64, 64, 8, 3),
+         (32, 64, 128, 4, 4), (256, 128, 64, 8, 3)]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("k", [768, 2048, 4096])
-def test_tile_shape_does_not_change_the_bits(tile, dtype, k):
-    """Every tile the GEMM picks by M (and others) gives the same bits on the same rows,
-    including 16- and 32-row tiles, where Triton issues mma.sync instead of wgmma."""
+@pytest.mark.parametrize(("k", "segments"), [(768, 1), (768, 2), (2048, 1), (4096, 2), (4096, 4)])
+def test_tile_shape_does_not_change_the_bits(tile, dtype, k, segments):
+    """Every tile the GEMM picks by M and S (and others), with TMA loads and with pointer
+    loads, gives the same bits on the same rows: 16- and 32-row tiles (mma.sync), 64 to 256
+    rows (wgmma), chunks of 64 and 128."""
     x = wide(200, k, seed=k, dtype=dtype, device="cuda")
     w = wide(300, k, seed=k + 1, dtype=dtype, spread=4, device="cuda")
-    ref = K.linear_partial(x, w)
+    ref = K.linear_partial(x, w, segments=segments)
     for cfg in TILES:
-        tile(*cfg)
-        assert torch.equal(K.linear_partial(x, w).view(torch.int32), ref.view(torch.int32)), cfg
+        for tma in (True, False):
+            tile(cfg, tma)
+            got = K.linear_partial(x, w, segments=segments)
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (cfg, tma)
 
 
 def test_rows_keep_their_bits_across_the_m_switch():
-    """A row computed in a batch on the small-M tile equals the same row in a batch on the
-    large-M tile (Qwen3-30B-A3B's o_proj shape)."""
-    x = wide(600, 4096, seed=1, dtype=torch.bfloat16, device="cuda")
+    """A row computed in a batch on the small-M tile equals the same row in a batch on each
+    large-M tile (Qwen3-30B-A3B's o_proj shape, S = 1 and 2)."""
+    x = wide(4096, 4096, seed=1, dtype=torch.bfloat16, device="cuda")
     w = wide(2048, 4096, seed=2, dtype=torch.bfloat16, spread=4, device="cuda")
-    assert L.tile_for(600, 2048) != L.tile_for(5, 2048)
-    assert_bitwise(K.linear(x[:5], w), K.linear(x, w)[:5], "rows 0:5")
+    for s in (1, 2):
+        assert L.tile_for(4096, 2048, s) != L.tile_for(5, 2048, s)
+        assert_bitwise(K.linear(x[:5], w, segments=s), K.linear(x, w, segments=s)[:5], f"S {s}")
 
 
-@pytest.mark.parametrize(("k", "tp"), [(1024, 2), (2048, 4), (4096, 8), (4096, 2)])
-def test_shards_of_whole_leaves_are_exact(k, tp):
-    assert K.row_parallel_exact(k, tp, "cuda")
+@pytest.mark.parametrize(("k", "tp", "segments"),
+                         [(1024, 2, 2), (2048, 4, 4), (4096, 8, 8), (4096, 2, 4), (768, 2, 2),
+                          (768, 1, 2), (768, 4, 4)])  # fmt: skip
+def test_shards_of_whole_segments_are_exact(k, tp, segments):
+    """tp shards of S / tp whole segments each, combined by the tree, are the unsharded S
+    segments' bits (Qwen3-30B-A3B's expert K = 768 at MoE TP 2 and 4 among them)."""
+    assert K.row_parallel_exact(k, tp, segments)
     x = wide(33, k, seed=k + tp, dtype=torch.bfloat16, device="cuda")
     w = wide(70, k, seed=k, dtype=torch.bfloat16, device="cuda")
-    assert torch.equal(K.row_parallel_linear(x, w, tp), K.linear(x, w))
+    assert_bitwise(K.row_parallel_linear(x, w, tp, segments=segments),
+                   K.linear(x, w, segments=segments), f"K {k} tp {tp} S {segments}")  # fmt: skip
 
 
-@pytest.mark.parametrize(("k", "tp"), [(1024, 4), (2048, 8), (768, 2)])
-def test_negative_control_shards_inside_a_leaf_differ(k, tp):
-    """A shard narrower than a leaf cuts the tensor core's chained order: the rule says no,
-    and the bits really differ (on CPU, where a leaf is a pairwise tree, the first two are
-    exact)."""
-    assert not K.row_parallel_exact(k, tp, "cuda")
+@pytest.mark.parametrize(("k", "tp"), [(1024, 2), (2048, 4), (768, 2), (4096, 2)])
+def test_negative_control_a_shard_is_not_one_segment_of_another_s(k, tp):
+    """Shards computed as one segment each (S = tp) against the unsharded kernel at S = 1:
+    the chained order is cut at other places, the rule says no, and the bits really differ."""
+    assert not K.row_parallel_exact(k, tp, 1)
     x = wide(64, k, seed=k + tp, device="cuda")
     w = wide(64, k, seed=k, device="cuda")
     assert not torch.equal(K.row_parallel_linear(x, w, tp), K.linear(x, w))
-    assert K.row_parallel_exact(k, tp) == (k // tp in (256, 128))
 
 
-def test_leaf_is_four_k_blocks():
-    assert MMA_LEAF == 4 * K.K_BLOCK
+@pytest.mark.parametrize("cfg", [A.DECODE, A.PREFILL, (16, 2, 3), (32, 4, 3), (64, 8, 2),
+                                 (128, 4, 2)])  # fmt: skip
+def test_attention_tile_does_not_change_the_bits(cfg):
+    """Each attention tile (rows per program, warps, stages) gives the default tiles' bits on
+    one packed prefill and one paged decode of Qwen3-30B-A3B's heads: the denominator is the
+    pairwise tree over key columns, not `tl.sum`, whose order follows the threads' layout."""
+    n = 1100
+    q = wide(n, 32, 128, seed=6, dtype=torch.bfloat16, spread=2, device="cuda")
+    k = wide(n, 4, 128, seed=7, dtype=torch.bfloat16, spread=2, device="cuda")
+    v = wide(n, 4, 128, seed=8, dtype=torch.bfloat16, spread=2, device="cuda")
+    ref = K.attention(q, k, v, [0, 700, n])
+    dec_q = q[[699, n - 1]]
+    kp, vp = k.view(n, 1, 4, 128), v.view(n, 1, 4, 128)
+    table = torch.stack([torch.arange(n, device="cuda")] * 2)
+    lens = torch.tensor([700, n], device="cuda")
+    cu = torch.arange(3, device="cuda")
+    # Request 0's keys are rows 0..699 of the table, request 1's the whole sequence as one.
+    dec_ref = K.paged_attention(dec_q, kp, vp, cu, table, lens)
+    saved = A.FORCE
+    A.FORCE = cfg
+    try:
+        assert_bitwise(K.attention(q, k, v, [0, 700, n]), ref, f"prefill {cfg}")
+        assert_bitwise(K.paged_attention(dec_q, kp, vp, cu, table, lens), dec_ref, f"decode {cfg}")
+    finally:
+        A.FORCE = saved
 
 
 @pytest.fixture
@@ -149,4 +180,9 @@ def test_moe_small_batch_schedule_equals_the_sorted_one():
     part = K.moe_expert_outputs(x, ids, wg, wu, wd, local_experts=local)
     small = K.moe_expert_outputs(x[:5], ids[:5], wg, wu, wd, local_experts=local)
     assert_bitwise(small, part[:5], "5 tokens, local experts")
+    mine = torch.isin(ids, torch.tensor(local, device="cuda"))[..., None]
+    assert_bitwise(part, torch.where(mine, full, 0.0), "local slots are the full ones, others 0")
+    two = K.moe_expert_outputs(x, ids, wg, wu, wd, segments=2)
+    assert_bitwise(K.moe_expert_outputs(x[:2], ids[:2], wg, wu, wd, segments=2), two[:2], "S 2")
+    assert not torch.equal(two, full), "the down projection at S = 2 is another sum"
     assert_bitwise(K.moe(x[:1], gate, wg, wu, wd, 8), K.moe(x, gate, wg, wu, wd, 8)[:1], "moe")

@@ -34,23 +34,34 @@ Tile = tuple[int, int, int, int, int]
 SMALL_M: Tile = (64, 32, 128, 4, 4)
 """Decode-sized batches: narrow N tiles so a GEMV still spreads over every SM."""
 MID_M: Tile = (64, 64, 128, 4, 4)
-LARGE_M: Tile = (128, 256, 64, 8, 3)
-"""One accumulator (S = 1): the large tile that reaches cuBLAS's speed."""
-LARGE_M_SEGMENTED: Tile = (128, 128, 64, 8, 4)
-"""S > 1 keeps a stack of partials live: half the tile's registers each."""
+LARGE_M: Tile = (128, 256, 64, 8, 4)
+"""One accumulator (S = 1) over at least FULL_WAVES waves of tiles, loaded by TMA."""
+LARGE_M_SEGMENTED: Tile = (128, 128, 64, 8, 5)
+"""S > 1 keeps a stack of partials live (half the tile's registers each), and fewer tiles
+than FULL_WAVES waves of 128 x 256 leave SMs idle in the last wave: the smaller tile."""
+LARGE_M_INDEXED: Tile = (128, 256, 64, 8, 3)
+LARGE_M_SEGMENTED_INDEXED: Tile = (128, 128, 64, 8, 4)
+"""Rows read by index (the MoE's grouped GEMM), loaded by pointers."""
+SMS, FULL_WAVES = 132, 4
+"""The H200's SMs, and the waves of 128 x 256 tiles above which their tail costs little."""
 FORCE: Tile | None = None
 """Tests set this to run every launch at one tile (the bits must not change)."""
 
 
-def tile_for(m: int, n: int, segments: int = 1) -> Tile:
-    """The launch's tile, chosen from the problem's size. Any tile gives the same bits."""
+def tile_for(m: int, n: int, segments: int = 1, tma: bool = True) -> Tile:
+    """The launch's tile, chosen from the problem's size and whether its tiles load by TMA.
+    Any tile gives the same bits."""
     if FORCE is not None:
         return FORCE
     if m <= 64:
         return SMALL_M
     if m <= 512:
         return MID_M
-    return LARGE_M if segments == 1 else LARGE_M_SEGMENTED
+    if not tma:
+        return LARGE_M_INDEXED if segments == 1 else LARGE_M_SEGMENTED_INDEXED
+    if segments == 1 and triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_WAVES * SMS:
+        return LARGE_M
+    return LARGE_M_SEGMENTED
 
 
 MAX_SEGMENTS = 64
@@ -178,15 +189,22 @@ def _mm_tma_kernel(
 
 @triton.jit
 def _mm_kernel(
-    x_ptr, w_ptr, out_ptr, rows_ptr, dst_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    M, N, stride_xm, stride_we, stride_wn, stride_om,
-    GATHER: tl.constexpr, SCATTER: tl.constexpr, GROUPED: tl.constexpr, OUT_FP32: tl.constexpr,
+    x_ptr, w_ptr, w2_ptr, out_ptr, out2_ptr, rows_ptr, dst_ptr, tile_expert_ptr,
+    tile_start_ptr, tile_end_ptr, M, N, stride_xm, stride_we, stride_wn, stride_om, n_experts,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, GROUPED: tl.constexpr, PAIRS: tl.constexpr,
+    ROW_DIV: tl.constexpr, DUAL: tl.constexpr, OUT_FP32: tl.constexpr,
     SEGMENTS: tl.constexpr, SEG_K: tl.constexpr, EVEN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BN)
+    if DUAL:  # the second half of the grid multiplies by w2 into out2 (gate and up at once)
+        half = tl.num_programs(0) // 2
+        if pid >= half:
+            pid -= half
+            w_ptr = w2_ptr
+            out_ptr = out2_ptr
     if GROUPED:  # one M-tile of one expert's rows, from the tile table
         pid_m, pid_n = pid // n_tiles_n, pid % n_tiles_n
         e = tl.load(tile_expert_ptr + pid_m)
@@ -194,6 +212,14 @@ def _mm_kernel(
             return
         row0 = tl.load(tile_start_ptr + pid_m)
         row_end = tl.load(tile_end_ptr + pid_m)
+        w_ptr += e.to(tl.int64) * stride_we
+    elif PAIRS:  # one (token, slot) pair per M-tile, its expert read from the ids
+        pid_m, pid_n = pid // n_tiles_n, pid % n_tiles_n
+        e = tl.load(tile_expert_ptr + pid_m)
+        if (e < 0) | (e >= n_experts):
+            return
+        row0 = pid_m
+        row_end = pid_m + 1
         w_ptr += e.to(tl.int64) * stride_we
     else:  # GROUP_M M-tiles share their W columns in L2 (the launch order only)
         n_tiles_m = tl.cdiv(M, BM)
@@ -207,7 +233,10 @@ def _mm_kernel(
     rm = row0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     m_ok, n_ok = rm < row_end, rn < N
-    src = tl.load(rows_ptr + rm, mask=m_ok, other=0) if GATHER else rm
+    if GATHER:
+        src = tl.load(rows_ptr + rm, mask=m_ok, other=0)
+    else:
+        src = rm // ROW_DIV
     x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     zero = tl.zeros((BM, BN), dtype=tl.float32)
@@ -231,7 +260,8 @@ def tree_mm(
     out_dtype: torch.dtype | None = None, rows: torch.Tensor | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     out_rows: int | None = None, tile: Tile | None = None, dst: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, pair_experts: torch.Tensor | None = None, row_div: int = 1,
+    weight2: torch.Tensor | None = None, out2: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight[N, K].T, K in `segments` chained segments added by the tree; fp32
     out unless `out_dtype`.
@@ -240,6 +270,10 @@ def tree_mm(
     the output, `rows` [out_rows] the row of x each output row reads (None: the same row), and
     `tile` the tile the table was cut for (its BLOCK_M rows per M-tile); `dst` [out_rows] the
     row of `out` (given, or new) each computed row is stored to (None: the same row).
+    Per pair (MoE, small batches): `pair_experts` [out_rows] the expert of each output row, one
+    row per M-tile (rows of experts outside [0, E) are not computed), x's row = row // row_div.
+    With `weight2` (same shape as weight) and `out2`, one launch also computes x @ weight2.T
+    into out2.
     """
     k = x.shape[-1]
     if weight.shape[-1] != k:
@@ -256,14 +290,15 @@ def tree_mm(
     m = x.shape[0] if out_rows is None else out_rows
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=out_dtype or torch.float32)
-    grouped = tiles is not None
-    bm, bn, bk, warps, stages = tile or tile_for(m, n, segments)
-    n_tiles = tiles[0].numel() if grouped else triton.cdiv(m, bm)
+    grouped, pairs = tiles is not None, pair_experts is not None
+    indexed = grouped or pairs or rows is not None or dst is not None or weight2 is not None
+    bm, bn, bk, warps, stages = tile or tile_for(m, n, segments, tma=not indexed)
+    n_tiles = tiles[0].numel() if grouped else m if pairs else triton.cdiv(m, bm)
     if m == 0 or n == 0 or n_tiles == 0 or k == 0:
         return out.zero_()
     dummy = out
     seg_k = k // segments
-    if _tma_fits(x, weight, grouped or rows is not None or dst is not None, seg_k, bk):
+    if _tma_fits(x, weight, indexed, seg_k, bk):
         _mm_tma_kernel[(n_tiles * triton.cdiv(n, bn),)](
             TensorDescriptor.from_tensor(x, [bm, bk]),
             TensorDescriptor.from_tensor(weight, [bn, bk]), out, m, n, out.stride(0),
@@ -271,13 +306,20 @@ def tree_mm(
             GROUP_M=8, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
-    te, ts, tend = tiles if grouped else (dummy, dummy, dummy)
-    _mm_kernel[(n_tiles * triton.cdiv(n, bn),)](
-        x, weight, out, rows if rows is not None else dummy, dst if dst is not None else dummy,
-        te, ts, tend, m, n, x.stride(0),
-        weight.stride(0) if grouped else 0, weight.stride(-2), out.stride(0),
-        GATHER=rows is not None, SCATTER=dst is not None, GROUPED=grouped,
-        OUT_FP32=out_dtype is None,
+    te, ts, tend = tiles if grouped else (pair_experts if pairs else dummy, dummy, dummy)
+    dual = weight2 is not None
+    if dual:
+        if weight2.shape != weight.shape or weight2.stride() != weight.stride():
+            raise ValueError("linear: weight2 must have weight's shape and strides")
+        if out2 is None:
+            out2 = torch.empty_like(out)
+    _mm_kernel[((2 if dual else 1) * n_tiles * triton.cdiv(n, bn),)](
+        x, weight, weight2 if dual else weight, out, out2 if dual else out,
+        rows if rows is not None else dummy, dst if dst is not None else dummy,
+        te, ts, tend, m, n, x.stride(0), weight.stride(0) if grouped or pairs else 0,
+        weight.stride(-2), out.stride(0), weight.shape[0] if grouped or pairs else 0,
+        GATHER=rows is not None, SCATTER=dst is not None, GROUPED=grouped, PAIRS=pairs,
+        ROW_DIV=row_div, DUAL=dual, OUT_FP32=out_dtype is None,
         SEGMENTS=segments, SEG_K=seg_k, EVEN=seg_k % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
         IEEE=x.dtype == torch.float32, num_warps=warps,
         num_stages=stages if x.dtype != torch.float32 else 1,

@@ -109,8 +109,18 @@ def route(
 
 
 @triton.jit
-def _combine_kernel(out_ptr, y_ptr, ids_ptr, w_ptr, H, K: tl.constexpr, LOG_K: tl.constexpr,
-                    BH: tl.constexpr):  # fmt: skip
+def _slot_term(y_ptr, w_ptr, t, slot, kk, i: tl.constexpr, h, H, K: tl.constexpr):
+    """weight * output in fp32 of the slot at place i of the ascending id order."""
+    s = tl.sum(tl.where(kk == i, slot, 0), 0)
+    w = tl.load(w_ptr + t * K + s)
+    y = tl.load(y_ptr + (t * K + s) * H + h, mask=h < H, other=0.0)
+    return w * y.to(tl.float32)
+
+
+@triton.jit
+def _combine_kernel(out_ptr, y_ptr, ids_ptr, w_ptr, H, K: tl.constexpr, BH: tl.constexpr):
+    """One token's slots in ascending expert-id order (stable), added by the pairwise tree of
+    1, 2, 4 or 8 terms spelled out: every add is one pair, in no layout's order."""
     t = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, K)
     ids = tl.load(ids_ptr + t * K + kk)
@@ -118,23 +128,34 @@ def _combine_kernel(out_ptr, y_ptr, ids_ptr, w_ptr, H, K: tl.constexpr, LOG_K: t
     before = (b < a) | ((b == a) & (kk[None, :] < kk[:, None]))
     rank = tl.sum(before.to(tl.int32), 1)  # the slot's place in ascending id order (stable)
     slot = tl.sum(tl.where(rank[None, :] == kk[:, None], kk[None, :], 0), 1)
-    w = tl.load(w_ptr + t * K + slot)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    y = tl.load(y_ptr + (t * K + slot)[:, None] * H + h[None, :], mask=h[None, :] < H, other=0.0)
-    v = w[:, None] * y.to(tl.float32)
-    for lvl in tl.static_range(LOG_K):
-        v = tl.sum(tl.reshape(v, (K >> (lvl + 1), 2, BH)), 1)
-    tl.store(out_ptr + t * H + h, tl.reshape(v, (BH,)).to(out_ptr.dtype.element_ty), mask=h < H)
+    for h0 in range(0, H, BH):
+        h = h0 + tl.arange(0, BH)
+        v = _slot_term(y_ptr, w_ptr, t, slot, kk, 0, h, H, K)
+        if K >= 2:
+            v = v + _slot_term(y_ptr, w_ptr, t, slot, kk, 1, h, H, K)
+        if K >= 4:
+            v = v + (_slot_term(y_ptr, w_ptr, t, slot, kk, 2, h, H, K)
+                     + _slot_term(y_ptr, w_ptr, t, slot, kk, 3, h, H, K))  # fmt: skip
+        if K == 8:
+            v = v + ((_slot_term(y_ptr, w_ptr, t, slot, kk, 4, h, H, K)
+                      + _slot_term(y_ptr, w_ptr, t, slot, kk, 5, h, H, K))
+                     + (_slot_term(y_ptr, w_ptr, t, slot, kk, 6, h, H, K)
+                        + _slot_term(y_ptr, w_ptr, t, slot, kk, 7, h, H, K)))  # fmt: skip
+        tl.store(out_ptr + t * H + h, v.to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+COMBINE_SLOTS = (1, 2, 4, 8)
+"""Slot counts the combine kernel spells out; others run the shared torch combine."""
 
 
 def _combine_exact(outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
     t, k, h = outputs.shape
     out = torch.empty(t, h, dtype=outputs.dtype, device=outputs.device)
     if t and h:
-        bh = 256
-        _combine_kernel[(t, triton.cdiv(h, bh))](
+        _combine_kernel[(t,)](
             out, outputs.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
-            h, K=k, LOG_K=k.bit_length() - 1, BH=bh, enable_fp_fusion=False,
+            h, K=k, BH=min(1024, triton.next_power_of_2(h)), num_warps=4,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -144,7 +165,7 @@ def combine(
 ) -> torch.Tensor:
     """sum_slots weight * output in ascending expert-id order, fp32 tree, rounded to outputs'
     dtype. outputs [T, k, H], topk_ids / topk_weights [T, k]."""
-    if not _pow2(outputs.shape[1]):
+    if outputs.shape[1] not in COMBINE_SLOTS:
         return _torch_combine(outputs, topk_ids, topk_weights)
     return exact_with_native_grad(
         lambda o, w: _combine_exact(o, topk_ids, w),
@@ -219,24 +240,21 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
     if ids.numel() == 0:
         return x.new_zeros(t, k, hidden)
     n = ids.numel()
+    # Rows of non-local pairs are never computed, so they keep the zeros they start with.
+    out = (torch.empty if local_experts is None else torch.zeros)(n, hidden, dtype=x.dtype,
+                                                                    device=x.device)  # fmt: skip
+    gate = torch.empty(n, w_gate.shape[1], dtype=x.dtype, device=x.device)
     if n <= SMALL_PAIRS:  # one M-tile per pair, in pair order: no sort, no scatter
-        pair = torch.arange(n, device=ids.device)
-        tiles = (torch.where(ids < num_experts, ids, -1), pair, pair + 1)
-        mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=SMALL_TILE)
-        h = silu_mul(mm(x, w_gate, rows=pair // k), mm(x, w_up, rows=pair // k))
-        down = mm(h, w_down, segments=segments)
-        if local_experts is not None:  # non-local rows were never written
-            down = torch.where((ids < num_experts)[:, None], down, 0.0)
-        return down.view(t, k, hidden)
-    tile = _linear.tile_for(n, w_gate.shape[1], segments)
+        mm = partial(tree_mm, out_dtype=x.dtype, pair_experts=ids, out_rows=n, tile=SMALL_TILE)
+        up = mm(x, w_up, row_div=k, weight2=w_gate, out2=gate)  # gate and up in one launch
+        mm(silu_mul(gate, up), w_down, segments=segments, out=out)
+        return out.view(t, k, hidden)
+    tile = _linear.tile_for(n, w_gate.shape[1], segments, tma=False)
     order, tiles = _tiles(ids, num_experts, tile[0])
     rows = (order // k).to(torch.int64)
     mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=tile)
-    gate, up = mm(x, w_gate, rows=rows), mm(x, w_up, rows=rows)
-    # Each row is stored straight to its pair's place; rows of non-local pairs are never
-    # computed, so they keep the zeros they start with.
-    out = (torch.empty if local_experts is None else torch.zeros)(n, hidden, dtype=x.dtype,
-                                                                    device=x.device)  # fmt: skip
+    up = mm(x, w_up, rows=rows, weight2=w_gate, out2=gate)
+    # Each row is stored straight to its pair's place.
     mm(silu_mul(gate, up), w_down, segments=segments, dst=order, out=out)
     return out.view(t, k, hidden)
 
