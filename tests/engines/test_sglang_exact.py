@@ -402,25 +402,29 @@ def test_engine_refuses_settings_off_the_exact_path(tiny_checkpoint, tmp_path):
 
 @pytest.mark.slow
 def test_expert_k_that_the_block_tree_could_not_split_is_exact_in_segments(tmp_path):
-    """moe_intermediate_size 48 at MoE TP 2 (TP2 EP1): 24-wide shards are no subtree of the
-    tree over 48, so one tree over K was refused here. The run cuts it into S = 2 segments
-    (ONPOLICY_K_SEGMENTS), one a rank: the sampled log-probs equal the reference's `score` at
-    the same S. Control: the reference at S = 1 (the unsplit tree) differs."""
+    """moe_intermediate_size 192 (a 128-block and a 64-wide one) at MoE TP 2 (TP2 EP1): 96-wide
+    shards are no subtree of that block tree, so one tree over K was refused here. The run cuts
+    it into S = 2 segments (ONPOLICY_K_SEGMENTS), one a rank: the sampled log-probs equal the
+    reference's `score` at the same S. Control: the reference at S = 1 (the unsplit tree)
+    differs. 192 is a multiple of TP x 32, so SGLang's CPU runner does not pad it. In fp32: in
+    bf16 each expert output's rounding hides the two trees' last-bit difference on this model
+    (the reference's bf16 log-probs at S = 1 and 2 were the same bits), so the control could
+    not fail there."""
     from onpolicy.models import write_tiny_checkpoint
     from onpolicy.models.reference import Qwen3MoeReference
     from onpolicy.models.tiny import tiny
     from onpolicy.segments import KSegments
 
-    ckpt = write_tiny_checkpoint(tmp_path / "k48", tiny(moe_intermediate_size=48), seed=0)
+    ckpt = write_tiny_checkpoint(tmp_path / "k192", tiny(moe_intermediate_size=192), seed=0)
     run = KSegments(attention=2, experts=2)
-    engine = {"tp": 2, "ep": 1, "dtype": "bfloat16", "chunked_prefill_size": -1,
+    engine = {"tp": 2, "ep": 1, "dtype": "float32", "chunked_prefill_size": -1,
               "disable_radix_cache": True}  # fmt: skip
-    spec = {"name": "k48", "engine": engine, "batches": [COBATCH]}
+    spec = {"name": "k192", "engine": engine, "batches": [COBATCH]}
     res = _run_worker({"ckpt": str(ckpt), "runs": [spec]}, 2, tmp_path / "w", segments=run)
-    answers = list(zip(COBATCH["requests"], res["runs"]["k48"]["batches"][0], strict=True))
+    answers = list(zip(COBATCH["requests"], res["runs"]["k192"]["batches"][0], strict=True))
     counts = {}
     for name, segments in {"S=2": run, "S=1": KSegments(attention=2, experts=1)}.items():
-        model = Qwen3MoeReference.from_pretrained(ckpt, torch.bfloat16, segments=segments)
+        model = Qwen3MoeReference.from_pretrained(ckpt, torch.float32, segments=segments)
         bad = total = 0
         for req, ans in answers:
             prompt = ans["prompt"]
@@ -428,7 +432,7 @@ def test_expert_k_that_the_block_tree_could_not_split_is_exact_in_segments(tmp_p
             d = n_differ(_f32(ans), want[len(prompt) - 1 :])
             bad, total = bad + d, total + NEW
         counts[name] = (bad, total)
-    print(f"[k48 tp2-ep1 bf16] differing sampled log-probs vs the reference: {counts}")
+    print(f"[k192 tp2-ep1 fp32] differing sampled log-probs vs the reference: {counts}")
     assert counts["S=2"][0] == 0, counts
     assert counts["S=1"][0] > 0, counts
 
@@ -452,6 +456,13 @@ def test_check_tp_holds_the_engine_to_the_runs_segments():
     with pytest.raises(ContractError, match=r"attention_k_segments.*4096 into 4 shards.*S = 2"):
         check_tp(4, 4, 32, 128, 768, KSegments(attention=2, experts=1))
     with pytest.raises(ContractError, match=r"expert_k_segments.*33 into 2 shards.*its own TP"):
-        check_tp(2, 1, 32, 128, 33)
+        check_tp(2, 1, 32, 128, 33, device="cuda")
     with pytest.raises(ContractError, match="power_of_2_groups"):
         check_tp(3, 1, 32, 128, 768)
+    # SGLang's CPU runner pads the expert K to a multiple of TP x 32 and cuts the padded K: a
+    # power of 2 keeps the tree, 48 would not; on CUDA nothing is padded.
+    check_tp(2, 1, 4, 16, 32)
+    with pytest.raises(ContractError, match=r"expert_k_segments.*pads moe_intermediate_size = "
+                       r"48 to 64"):  # fmt: skip
+        check_tp(2, 2, 4, 16, 48)
+    check_tp(2, 1, 4, 16, 48, device="cuda")

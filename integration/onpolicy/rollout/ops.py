@@ -28,16 +28,17 @@ def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
 
     w = layer.weight
     if isinstance(layer, RowParallelLinear):
-        if layer.reduce_results and layer.tp_size > 1:
+        tp = layer.input_size // layer.input_size_per_partition  # the layer's own TP group
+        if layer.reduce_results and tp > 1:
             raise NotImplementedError(
-                "onpolicy linear: a RowParallelLinear with reduce_results=True at tp_size "
-                f"{layer.tp_size} would sum rounded shards; the exact path sums the fp32 "
-                "partials at the layer boundary (reduce_results=False)"
+                f"onpolicy linear: a RowParallelLinear with reduce_results=True at TP {tp} "
+                "would sum rounded shards; the exact path sums the fp32 partials at the layer "
+                "boundary (reduce_results=False)"
             )
-        if bias is not None and layer.tp_size > 1:
+        if bias is not None and tp > 1:
             raise NotImplementedError("onpolicy linear: row-parallel bias is not supported")
         # Qwen3-MoE's one row-parallel linear is the attention output projection (no dense MLP).
-        segments = per_rank("attention", layer.tp_size)
+        segments = per_rank("attention", tp)
         partial = K.linear_partial(x.reshape(-1, x.shape[-1]), w, segments=segments)
         if bias is not None:
             partial = partial + bias.float()

@@ -81,8 +81,13 @@ def _check_features(args: Any) -> None:
                 "pass kv_cache_dtype='auto'")  # fmt: skip
 
 
+CPU_MOE_PADDING = 32
+"""SGLang's CPU model runner pads moe_intermediate_size to a multiple of tp_size x this
+(`adjust_config_with_unaligned_cpu_tp`, DEFAULT_MOE_PADDING_SIZE) and cuts the padded K."""
+
+
 def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
-             segments: KSegments | None = None) -> None:  # fmt: skip
+             segments: KSegments | None = None, device: str = "cpu") -> None:  # fmt: skip
     """Refuse a TP/EP whose row-parallel sums would not be the run's segment trees.
 
     The attention output projection is cut over TP along K = heads x head_dim, the experts'
@@ -90,7 +95,8 @@ def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
     run's S segments (`segments`, ONPOLICY_K_SEGMENTS; None: S = this engine's own TP), and
     each rank must hold an aligned power-of-2 count of them (`kernels.rules.row_parallel_exact`).
     Embedding, the QKV and gate/up projections and the vocab-parallel LM head are cut along N:
-    exact at any TP.
+    exact at any TP. On CPU SGLang cuts a zero-padded expert K (`CPU_MOE_PADDING`); that is the
+    run's segment tree only where K is a power of 2 (see below).
     """
     from onpolicy.kernels.rules import row_parallel_exact
 
@@ -107,6 +113,18 @@ def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
          "the experts' down projection K = moe_intermediate_size", moe_intermediate, tp // ep,
          None if segments is None else segments.experts),
     )  # fmt: skip
+    unit = tp * CPU_MOE_PADDING
+    padded = -(-moe_intermediate // unit) * unit
+    # A power-of-2 K pads to a power of 2 with the zeros in whole aligned subtrees, and with K
+    # and S powers of 2 the CPU segment tree is the block tree: the padded cut sums that tree.
+    # Any other padded K puts the shard boundaries elsewhere than the run's segments.
+    if device == "cpu" and padded != moe_intermediate and not is_power_of_2(moe_intermediate):
+        _refuse("expert_k_segments",
+                f"SGLang's CPU model runner pads moe_intermediate_size = {moe_intermediate} to "
+                f"{padded} (a multiple of tp_size x {CPU_MOE_PADDING}) and cuts the padded K "
+                "over MoE TP, so its shards are not the run's equal segments of the real K",
+                f"use a moe_intermediate_size that is a power of 2 or a multiple of {unit}, or "
+                "tp_size 1")  # fmt: skip
     for rule, cut, what, k, t, s in cuts:
         s = t if s is None else s
         if not row_parallel_exact(k, t, s):
@@ -129,5 +147,6 @@ def check(args: Any) -> None:
     from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig.from_hf(args.model_path)
+    device = getattr(args, "device", None) or "cpu"
     check_tp(args.tp_size, args.ep_size or 1, cfg.num_attention_heads, cfg.head_dim,
-             cfg.moe_intermediate_size, segments.current())  # fmt: skip
+             cfg.moe_intermediate_size, segments.current(), device)  # fmt: skip
