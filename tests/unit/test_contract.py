@@ -66,6 +66,8 @@ BROKEN = [
     ("sp_required", TINY, {"training.sp": False}, ["training.tp = 2", "training.sp = true"]),
     ("ep_divides_dp", TINY, {"training.ep": 4}, ["training.ep = 4", "= 2"]),
     ("rollout_ep_divides_tp", TINY, {"rollout.ep": 4}, ["rollout.ep = 4", "rollout.tp = 2"]),
+    ("expert_k_segments", TINY, {"rollout.ep": 1, "model.tiny.moe_intermediate_size": 48},
+     ["pads model.tiny.moe_intermediate_size = 48 to 64", "power of 2 or a multiple of 64"]),
     ("colocated_gpus", TINY, {"rollout.engines": 3, "rollout.colocate": True},
      ["3 x 2 = 6", "training.world = 8"]),
     ("pp_divides_layers", PUBLISHED, {"hf.num_hidden_layers": 47},
@@ -98,8 +100,9 @@ BROKEN = [
 # shown to refuse that layout too, by the earlier rule.
 # (rule, the rule validate names, base config, edits, substrings of the rule's own message)
 PRE_EMPTED = [
-    ("expert_k_segments", "shard_moe_intermediate", TINY,
-     {"training.etp": 2, "rollout.ep": 1, "model.tiny.moe_intermediate_size": 33},
+    ("expert_k_segments", "shard_moe_intermediate", TINY,  # on CUDA: SGLang pads on CPU only
+     {"device": "cuda", "training.etp": 2, "rollout.ep": 1,
+      "model.tiny.moe_intermediate_size": 33},
      ["training.etp = 2", "model.tiny.moe_intermediate_size = 33 into 2 shards", "S = 1",
       "rollout.tp / rollout.ep = 2 / 1 = 2", "[1]"]),
     ("attention_k_segments", "shard_heads", TINY,
@@ -208,10 +211,10 @@ DIFFERENT_CUTS = {
                                       KSegments(attention=4, experts=1)),
     # Tiny expert K = 32 at rollout MoE TP 2 (TP2, EP1) against training ETP 1: S = 2.
     "tiny-moe-tp2": (TINY, {"rollout.ep": 1}, KSegments(attention=2, experts=2)),
-    # Expert K = 48 at MoE TP 2: two 24-wide segments. The old rule refused it: a 24-wide shard
-    # is not a subtree of the pairwise tree over 48.
-    "tiny-expert-k48-moe-tp2": (TINY, {"rollout.ep": 1, "model.tiny.moe_intermediate_size": 48},
-                                KSegments(attention=2, experts=2)),
+    # Expert K = 192 (a 128-block and a 64-wide one) at MoE TP 2: two 96-wide segments. The old
+    # rule refused it: a 96-wide shard is not a subtree of that block tree.
+    "tiny-expert-k192-moe-tp2": (TINY, {"rollout.ep": 1, "model.tiny.moe_intermediate_size": 192},
+                                 KSegments(attention=2, experts=2)),
     # Qwen3-30B-A3B's expert K = 768 (6 blocks) at training ETP 2 against rollout MoE TP 1:
     # S = 2 segments of 384 (3 blocks), one a trainer rank. The old rule refused it.
     "published-etp2": (PUBLISHED, {"training.etp": 2}, KSegments(attention=2, experts=2)),

@@ -318,10 +318,29 @@ def attention_k_segments(cfg: RunConfig) -> None:
     )  # fmt: skip
 
 
+SGLANG_CPU_MOE_PADDING = 32
+"""SGLang's CPU model runner pads moe_intermediate_size to a multiple of rollout.tp x this
+(`adjust_config_with_unaligned_cpu_tp`) and cuts the padded K over MoE TP."""
+
+
 def expert_k_segments(cfg: RunConfig) -> None:
     """Megatron's ETP and SGLang's MoE TP cut the experts' down-projection K into the run's S
-    segments, each rank an aligned power-of-2 count of them (see `attention_k_segments`)."""
-    r = cfg.rollout
+    segments, each rank an aligned power-of-2 count of them (see `attention_k_segments`). On
+    CPU SGLang cuts a zero-padded K: the same tree only where K is a power of 2 (the zeros
+    fill whole aligned subtrees of the block tree, which is then the segment tree)."""
+    r, k = cfg.rollout, cfg.shape.moe_intermediate_size
+    unit = r.tp * SGLANG_CPU_MOE_PADDING
+    padded = -(-k // unit) * unit
+    if cfg.device == "cpu" and padded != k and not is_power_of_2(k):
+        raise ContractError(
+            "expert_k_segments",
+            f"SGLang's CPU model runner pads {dim(cfg, 'moe_intermediate_size')} = {k} to "
+            f"{padded} (a multiple of rollout.tp x {SGLANG_CPU_MOE_PADDING} = {unit}) and cuts "
+            "the padded K over MoE TP, so its shards are not the run's equal segments of the "
+            "real K",
+            f"use a moe_intermediate_size that is a power of 2 or a multiple of {unit}, or "
+            "rollout.tp = 1",
+        )
     _segments_exact(
         "expert_k_segments",
         f"the experts' down-projection K = {dim(cfg, 'moe_intermediate_size')}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from onpolicy.contract.errors import ContractError, is_power_of_2
+from onpolicy.contract.rules import SGLANG_CPU_MOE_PADDING as CPU_MOE_PADDING
 from onpolicy.segments import ENV, KSegments
 
 TARGET = "onpolicy"
@@ -81,11 +82,6 @@ def _check_features(args: Any) -> None:
                 "pass kv_cache_dtype='auto'")  # fmt: skip
 
 
-CPU_MOE_PADDING = 32
-"""SGLang's CPU model runner pads moe_intermediate_size to a multiple of tp_size x this
-(`adjust_config_with_unaligned_cpu_tp`, DEFAULT_MOE_PADDING_SIZE) and cuts the padded K."""
-
-
 def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
              segments: KSegments | None = None, device: str = "cpu") -> None:  # fmt: skip
     """Refuse a TP/EP whose row-parallel sums would not be the run's segment trees.
@@ -95,8 +91,9 @@ def check_tp(tp: int, ep: int, heads: int, head_dim: int, moe_intermediate: int,
     run's S segments (`segments`, ONPOLICY_K_SEGMENTS; None: S = this engine's own TP), and
     each rank must hold an aligned power-of-2 count of them (`kernels.rules.row_parallel_exact`).
     Embedding, the QKV and gate/up projections and the vocab-parallel LM head are cut along N:
-    exact at any TP. On CPU SGLang cuts a zero-padded expert K (`CPU_MOE_PADDING`); that is the
-    run's segment tree only where K is a power of 2 (see below).
+    exact at any TP. On CPU SGLang cuts a zero-padded expert K
+    (`contract.rules.SGLANG_CPU_MOE_PADDING`): the run's segment tree only where K is a power
+    of 2 (see below).
     """
     from onpolicy.kernels.rules import row_parallel_exact
 
