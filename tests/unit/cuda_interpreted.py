@@ -29,14 +29,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from onpolicy.bits import assert_bitwise, bitwise_equal, n_differ  # noqa: E402
+from onpolicy.kernels.compose import combine, scale_logits  # noqa: E402
 from onpolicy.kernels.cpu import attention as cpu_attention  # noqa: E402
 from onpolicy.kernels.cpu import linear as cpu_linear  # noqa: E402
 from onpolicy.kernels.cpu import logprob as cpu_logprob  # noqa: E402
 from onpolicy.kernels.cpu import moe as cpu_moe  # noqa: E402
 from onpolicy.kernels.cpu import norm as cpu_norm  # noqa: E402
 from onpolicy.kernels.cpu import rope as cpu_rope  # noqa: E402
-from onpolicy.kernels.cpu.logprob import scale_logits  # noqa: E402
 from onpolicy.kernels.cuda import attention, elementwise, linear, logprob, moe  # noqa: E402
+from onpolicy.kernels.cuda import ops as cuda_ops  # noqa: E402
 from onpolicy.kernels.rules import K_BLOCK, KV_BLOCK, row_parallel_exact  # noqa: E402
 from onpolicy.kernels.tree import pairwise_tree_sum  # noqa: E402
 
@@ -198,14 +199,14 @@ def gemm_shards_of_whole_segments_are_exact() -> None:
     full = linear.linear(x, w, segments=s)
     for tp in (1, 2, 4):
         assert row_parallel_exact(k, tp, s), tp
-        assert_bitwise(linear.row_parallel_linear(x, w, tp, segments=s), full, f"tp {tp}")
+        assert_bitwise(cuda_ops.row_parallel_linear(x, w, tp, segments=s), full, f"tp {tp}")
     assert not row_parallel_exact(k, 8, s)
-    two = linear.row_parallel_linear(x, w, 2, segments=2)
+    two = cuda_ops.row_parallel_linear(x, w, 2, segments=2)
     assert_bitwise(two, linear.linear(x, w, segments=2), "tp 2 of S = 2")
     differ(two, full, "S = 2 vs S = 4")
     differ(linear.linear(x, w), full, "S = 1 vs S = 4")
     try:
-        linear.row_parallel_linear(x, w, 8, segments=s)
+        cuda_ops.row_parallel_linear(x, w, 8, segments=s)
     except ValueError as e:
         assert "split its 4 segments" in str(e), e
     else:
@@ -356,7 +357,7 @@ def moe_grouped_rows_equal_linear_per_expert() -> None:
     assert_bitwise(small, out[9:15], "small batch vs the sorted schedule")
     small = moe.expert_outputs(x[9:15], ids[9:15], wg, wu, wd, local_experts=[1, 4])
     assert_bitwise(small, local[9:15], "small batch, local experts")
-    assert_bitwise(moe.moe(x, gate, wg, wu, wd, top), cpu_moe.combine(out, ids, weights), "moe")
+    assert_bitwise(cuda_ops.moe(x, gate, wg, wu, wd, top), combine(out, ids, weights), "moe")
 
     logits64, lb = x.double() @ gate.double().T, dot_bound(x, gate)
     within(linear.linear(x, gate), logits64, lb, "cuda router logits")

@@ -2,32 +2,31 @@
 sequence, never on the batch, the chunking, prefill vs decode, or a power-of-2 TP split.
 
 One API; the backend is picked by the device of the first tensor argument: `kernels/cpu/`
-(pure torch, every sum spelled out) for CPU tensors, `kernels/cuda/` (Triton kernels, imported
-on first use) for CUDA tensors; other devices raise NotImplementedError naming the op. The
-reduction layouts in `rules` bind every backend; exactness is required within one backend, not
-across backends. docs/exactness.md has each op's reduction order and the test that proves it.
+(pure torch, every sum spelled out) for CPU tensors, `kernels/cuda/` (Triton kernels) for CUDA
+tensors; other devices raise NotImplementedError naming the op. Each backend's `ops` module
+exports the same flat primitive names, and `_OPS` maps every public op to one of them; what
+the backends share (the row-parallel linear, the MoE block, the vocab-parallel log-probs, the
+torch router and combine) is written once in `compose`. The reduction layouts in `rules` bind
+every backend; exactness is required within one backend, not across backends.
+docs/exactness.md has each op's reduction order and the test that proves it.
 
 `native_ops()` swaps in the plain torch ops (cuBLAS, SDPA, torch reductions) on any device: the
-baseline that benchmarks and negative controls compare against, never exact.
+baseline that benchmarks and negative controls compare against, never exact. `kernels.native`
+exports the same primitive names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 import torch
 
+from onpolicy.kernels import compose
 from onpolicy.kernels.autograd import exact_with_native_grad
-from onpolicy.kernels.cpu import activation as _cpu_activation
-from onpolicy.kernels.cpu import attention as _cpu_attention
-from onpolicy.kernels.cpu import linear as _cpu_linear
-from onpolicy.kernels.cpu import logprob as _cpu_logprob
-from onpolicy.kernels.cpu import moe as _cpu_moe
-from onpolicy.kernels.cpu import norm as _cpu_norm
-from onpolicy.kernels.cpu import rope as _cpu_rope
+from onpolicy.kernels.cpu.rope import rope_table as _rope_table
 from onpolicy.kernels.rules import (
     K_BLOCK,
     KV_BLOCK,
@@ -39,40 +38,66 @@ from onpolicy.kernels.rules import (
 )
 from onpolicy.kernels.tree import combine_partials, pairwise_tree_sum, tree_sum
 
-_BACKENDS: dict[str, tuple[ModuleType, ...]] = {
-    "cpu": (
-        _cpu_linear, _cpu_norm, _cpu_rope, _cpu_attention, _cpu_activation, _cpu_logprob,
-        _cpu_moe,
-    ),
-}  # fmt: skip
-"""device type -> the modules implementing the ops, searched in order."""
+_OPS: dict[str, str] = {
+    "linear": "linear",
+    "linear_partial": "linear_partial",
+    "row_parallel_linear": "row_parallel_linear",
+    "rms_norm": "rms_norm",
+    "rope": "rope",
+    "silu_mul": "silu_mul",
+    "embedding": "embedding",
+    "attention": "attention",
+    "paged_attention": "paged_attention",
+    "log_softmax": "log_softmax",
+    "token_logprobs": "token_logprobs",
+    "vocab_parallel_token_logprobs": "vocab_parallel_token_logprobs",
+    "sumexp_partial": "sumexp_partial",
+    "moe_route": "route",
+    "moe_expert_outputs": "expert_outputs",
+    "moe_merge_expert_parallel": "merge_expert_parallel",
+    "moe_combine": "combine",
+    "moe": "moe",
+}
+"""Public op -> the primitive name every backend's surface exports (`__all__` of `cpu/ops.py`,
+`cuda/ops.py` and `native.py`)."""
 
-_LAZY = {"cuda": "onpolicy.kernels.cuda.ops"}
-"""Backends imported on first use (Triton is only needed where there is a GPU)."""
+_BACKENDS: dict[str, str] = {
+    "cpu": "onpolicy.kernels.cpu.ops",
+    "cuda": "onpolicy.kernels.cuda.ops",
+}
+"""Device type -> its backend's surface, imported on first use (Triton is only needed where
+there is a GPU)."""
+
+_loaded: dict[str, ModuleType] = {}
+"""Device type -> its imported surface."""
 
 _native: list[ModuleType] = []
 """Non-empty inside `native_ops()`: every op resolves to onpolicy.kernels.native."""
 
 
-def _backend(device_type: str) -> tuple[ModuleType, ...] | None:
+def _surface(op: str, device_type: str) -> ModuleType:
     if _native:
-        return tuple(_native)
-    if device_type not in _BACKENDS and device_type in _LAZY:
-        _BACKENDS[device_type] = (importlib.import_module(_LAZY[device_type]),)
-    return _BACKENDS.get(device_type)
+        return _native[-1]
+    if device_type not in _loaded:
+        if device_type not in _BACKENDS:
+            raise NotImplementedError(
+                f"onpolicy.kernels.{op}: no exact backend for device {device_type!r} "
+                f"(implemented: {', '.join(sorted(_BACKENDS))})"
+            )
+        _loaded[device_type] = importlib.import_module(_BACKENDS[device_type])
+    return _loaded[device_type]
 
 
-def _impl(op: str, t: torch.Tensor):
-    modules = _backend(t.device.type)
-    if modules is None:
+def _impl(op: str, t: torch.Tensor) -> Callable:
+    """The implementation of public op `op` for tensors on t's device."""
+    surface = _surface(op, t.device.type)
+    fn = getattr(surface, _OPS[op], None)
+    if fn is None:
         raise NotImplementedError(
-            f"onpolicy.kernels.{op}: no exact backend for device {t.device.type!r} "
-            f"(implemented: {', '.join(sorted({*_BACKENDS, *_LAZY}))})"
+            f"onpolicy.kernels.{op}: {surface.__name__} (device {t.device.type!r}) has no "
+            f"{_OPS[op]!r}"
         )
-    for module in modules:
-        if hasattr(module, op):
-            return getattr(module, op)
-    raise NotImplementedError(f"onpolicy.kernels.{op}: not in the {t.device.type} backend")
+    return fn
 
 
 @contextlib.contextmanager
@@ -119,7 +144,7 @@ def rms_norm(
 
 def rope_table(head_dim: int, theta: float, max_positions: int) -> torch.Tensor:
     """fp32 [max_positions, head_dim] cos|sin table, built once per model (on CPU)."""
-    return _cpu_rope.rope_table(head_dim, theta, max_positions)
+    return _rope_table(head_dim, theta, max_positions)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -165,7 +190,7 @@ def paged_attention(
 
 
 # --- log-probs --------------------------------------------------------------------------------
-scale_logits = _cpu_logprob.scale_logits
+scale_logits = compose.scale_logits
 """logits / temperature rounded to the logits' dtype, untouched at 1 (elementwise, any device)."""
 
 
@@ -207,7 +232,7 @@ def moe_route(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids, fp32 topk_weights): fp32 softmax, stable top-k (ties to lower id)."""
-    return _impl("route", x)(x, gate_weight, top_k, renormalize)
+    return _impl("moe_route", x)(x, gate_weight, top_k, renormalize)
 
 
 def moe_expert_outputs(
@@ -222,21 +247,23 @@ def moe_expert_outputs(
 ) -> torch.Tensor:
     """[T, k, H] per-(token, slot) SwiGLU outputs for the experts in `local_experts`; the down
     projection's K (the expert's intermediate size) in `segments` segments."""
-    return _impl("expert_outputs", x)(x, topk_ids, w_gate, w_up, w_down, local_experts, segments)
+    return _impl("moe_expert_outputs", x)(
+        x, topk_ids, w_gate, w_up, w_down, local_experts, segments
+    )
 
 
 def moe_merge_expert_parallel(
     per_rank: Sequence[torch.Tensor], topk_ids: torch.Tensor, owner: torch.Tensor
 ) -> torch.Tensor:
     """Each (token, slot) output taken from the rank owning its expert (`owner[e]` = rank)."""
-    return _impl("merge_expert_parallel", topk_ids)(per_rank, topk_ids, owner)
+    return _impl("moe_merge_expert_parallel", topk_ids)(per_rank, topk_ids, owner)
 
 
 def moe_combine(
     outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
     """Weighted sum of a token's slot outputs in ascending expert-id order (fp32 tree)."""
-    return _impl("combine", outputs)(outputs, topk_ids, topk_weights)
+    return _impl("moe_combine", outputs)(outputs, topk_ids, topk_weights)
 
 
 def moe(

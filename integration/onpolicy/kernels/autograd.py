@@ -1,8 +1,7 @@
 """Exact forward, native backward: the value comes from the exact op, the gradient from the
 ordinary torch op recomputed in backward. Only the forward has to be reproducible.
 
-Also the pieces of the linear every backend shares: the autograd wrapper of an exact fp32
-matmul, and the row-parallel composition of shard partials."""
+Also the autograd wrapper of an exact fp32 matmul that every backend's linear shares."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from collections.abc import Callable
 import torch
 
 from onpolicy.kernels.rules import check_segments
-from onpolicy.kernels.tree import combine_partials
 
 Matmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """An exact x [M, K] @ w [N, K].T -> fp32 [M, N] with K cut into the given number of
@@ -79,32 +77,3 @@ def linear_partial(
         raise ValueError(f"linear: x has K={x.shape[-1]}, weight [N, K] has K={weight.shape[-1]}")
     check_segments(x.shape[-1], segments)
     return _LinearPartial.apply(matmul, x, weight, segments)
-
-
-def shard_segments(k: int, tp: int, segments: int | None) -> int:
-    """Segments per shard when a K = `k` of `segments` segments (default `tp`: one a shard) is
-    cut into `tp` shards; refuses a cut that splits a segment."""
-    segments = tp if segments is None else segments
-    if tp < 1 or k % tp:
-        raise ValueError(f"row_parallel_linear: K={k} does not split into {tp} equal shards")
-    check_segments(k, segments)
-    if segments % tp:
-        raise ValueError(
-            f"row_parallel_linear: {tp} shards of K={k} would split its {segments} segments "
-            "(rules.row_parallel_exact: tp must divide the segment count)"
-        )
-    return segments // tp
-
-
-def row_parallel_linear(
-    partial: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, tp: int,
-    bias: torch.Tensor | None, segments: int | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """`tp` contiguous K-shards' `partial`s combined by the tree, in one process; K holds
-    `segments` segments in all (default `tp`), so each shard holds segments / tp of them."""
-    k = x.shape[-1]
-    per = shard_segments(k, tp, segments)
-    s = k // tp
-    parts = [partial(x[..., i * s : (i + 1) * s], weight[:, i * s : (i + 1) * s], per)
-             for i in range(tp)]  # fmt: skip
-    return combine_partials(parts, x.dtype, bias)

@@ -2,23 +2,34 @@
 controls compare against. Fast (cuBLAS/MKL, SDPA, torch reductions) and *not* invariant: their
 bits may change with the batch, the chunking or the kernel torch picks.
 
-`kernels.native_ops()` routes every op here, on any device. Same names, signatures and meaning
-as the exact backends; the arithmetic is what HF transformers does (rounding to the input dtype
-where it does), so a model run under `native_ops()` is the usual HF/torch forward.
+`kernels.native_ops()` routes every op here, on any device. Same primitive names (`__all__`),
+signatures and meaning as the exact backends' `ops`; the arithmetic is what HF transformers
+does (rounding to the input dtype where it does), so a model run under `native_ops()` is the
+usual HF/torch forward.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from onpolicy.kernels.autograd import shard_segments
-from onpolicy.kernels.cpu.logprob import scale_logits
-from onpolicy.kernels.cpu.moe import merge_expert_parallel as merge_expert_parallel  # a selection
+from onpolicy.kernels.compose import (
+    merge_expert_parallel,  # a selection: no arithmetic
+    scale_logits,
+    shard_segments,
+    spans,
+)
 from onpolicy.kernels.rules import check_segments
+
+__all__ = [
+    "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
+    "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "rms_norm", "rope",
+    "route", "row_parallel_linear", "silu_mul", "sumexp_partial", "token_logprobs",
+    "vocab_parallel_token_logprobs",
+]  # fmt: skip
 
 
 # --- matmul -----------------------------------------------------------------------------------
@@ -80,11 +91,6 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # --- attention --------------------------------------------------------------------------------
-def _spans(cu: torch.Tensor | Sequence[int]) -> Iterator[tuple[int, int]]:
-    cu = [int(c) for c in cu]
-    return zip(cu[:-1], cu[1:], strict=True)
-
-
 def _sdpa(q, k, v, scale, *, causal=False, mask=None) -> torch.Tensor:
     """q [Tq, Hq, D], k, v [Tk, Hkv, D] of one sequence -> [Tq, Hq, D], GQA by SDPA."""
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
@@ -101,7 +107,7 @@ def attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal SDPA per packed sequence."""
-    outs = [_sdpa(q[a:b], k[a:b], v[a:b], scale, causal=True) for a, b in _spans(cu_seqlens)]
+    outs = [_sdpa(q[a:b], k[a:b], v[a:b], scale, causal=True) for a, b in spans(cu_seqlens)]
     return torch.cat(outs) if outs else q.new_zeros(q.shape)
 
 
@@ -117,7 +123,7 @@ def paged_attention(
     """Per request: gather its keys from the pages, SDPA with a mask for the new tokens'
     positions (kv_len - n_new .. kv_len - 1); one new token sees every key, so no mask."""
     outs = []
-    for (a, b), table, n in zip(_spans(cu_seqlens_q), page_tables, kv_lens, strict=True):
+    for (a, b), table, n in zip(spans(cu_seqlens_q), page_tables, kv_lens, strict=True):
         pages = math.ceil(n / k_pages.shape[1])
         k = k_pages[table[:pages]].flatten(0, 1)[:n]
         v = v_pages[table[:pages]].flatten(0, 1)[:n]
@@ -139,6 +145,11 @@ def token_logprobs(
 ) -> torch.Tensor:
     lp = log_softmax(scale_logits(logits, temperature))
     return lp.gather(-1, tokens[..., None].long())[..., 0]
+
+
+def sumexp_partial(shard: torch.Tensor, vmax: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """torch's sum of exp(shard - vmax) over the shard in one reduction, whatever `n_segments`."""
+    return torch.exp(shard.float() - vmax[..., None]).sum(-1)
 
 
 def vocab_parallel_token_logprobs(

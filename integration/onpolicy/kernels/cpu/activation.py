@@ -10,9 +10,9 @@ handles tails with the vector formula (a masked load), so every element gets the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from onpolicy.kernels.autograd import exact_with_native_grad
+from onpolicy.kernels.compose import silu_mul_native
 
 
 def _silu_mul_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -20,13 +20,9 @@ def _silu_mul_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
 
 
-def _silu_mul_native(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32, rounded to gate's dtype; the gradient is F.silu's."""
-    return exact_with_native_grad(_silu_mul_exact, _silu_mul_native, gate, up)
+    return exact_with_native_grad(_silu_mul_exact, silu_mul_native, gate, up)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

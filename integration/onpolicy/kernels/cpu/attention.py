@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from onpolicy.kernels.autograd import exact_with_native_grad
+from onpolicy.kernels.compose import attention_scale, spans, varlen_with_native_grad
 from onpolicy.kernels.rules import K_BLOCK, KV_BLOCK
 from onpolicy.kernels.tree import tree_sum
 
@@ -68,29 +68,9 @@ def _attend(
     return (acc / denom[..., None]).reshape(tq, hq, d).to(q.dtype)
 
 
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-
-
-def _spans(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
-    cu = [int(c) for c in cu_seqlens]
-    return list(zip(cu[:-1], cu[1:], strict=True))
-
-
 def _varlen_exact(q, k, v, cu_seqlens, scale):
-    spans = _spans(cu_seqlens)
-    outs = [_attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale) for a, b in spans]
-    return torch.cat(outs) if outs else q.new_zeros(q.shape)
-
-
-def _varlen_native(q, k, v, cu_seqlens, scale):
-    g = q.shape[1] // k.shape[1]
-    outs = []
-    for a, b in _spans(cu_seqlens):
-        qs, ks, vs = (t[a:b].float().transpose(0, 1) for t in (q, k, v))
-        ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        outs.append(o.transpose(0, 1).to(q.dtype))
+    outs = [_attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)
+            for a, b in spans(cu_seqlens)]  # fmt: skip
     return torch.cat(outs) if outs else q.new_zeros(q.shape)
 
 
@@ -107,17 +87,6 @@ def attention(
     is the native SDPA's.
     """
     return varlen_with_native_grad(_varlen_exact, q, k, v, cu_seqlens, scale)
-
-
-def varlen_with_native_grad(exact_varlen, q, k, v, cu_seqlens, scale):
-    """`exact_varlen(q, k, v, cu_seqlens, scale)` as the value, per-sequence SDPA's gradient:
-    the packed-attention entry point of every backend."""
-    sc = _scale(q, scale)
-    return exact_with_native_grad(
-        lambda q_, k_, v_: exact_varlen(q_, k_, v_, cu_seqlens, sc),
-        lambda q_, k_, v_: _varlen_native(q_, k_, v_, cu_seqlens, sc),
-        q, k, v,
-    )  # fmt: skip
 
 
 def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -142,9 +111,9 @@ def paged_attention(
     k_pages, v_pages [num_pages, page_size, Hkv, D]. The new tokens sit at positions
     kv_lens[i] - n_new .. kv_lens[i] - 1.
     """
-    sc = _scale(q, scale)
+    sc = attention_scale(q, scale)
     outs = []
-    for (a, b), table, n in zip(_spans(cu_seqlens_q), page_tables, kv_lens, strict=True):
+    for (a, b), table, n in zip(spans(cu_seqlens_q), page_tables, kv_lens, strict=True):
         k = gather_pages(k_pages, table, n)
         v = gather_pages(v_pages, table, n)
         outs.append(_attend(q[a:b], k, v, torch.arange(n - (b - a), n), sc))

@@ -62,13 +62,3 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) with weight [N, K]: the unsharded case of the row-parallel path."""
     return combine_partials([linear_partial(x, weight, segments)], x.dtype, bias)
-
-
-def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None,
-    segments: int | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """The row-parallel result at `tp` shards of a K in `segments` segments (default `tp`), in
-    one process: what `tp` ranks plus the tree all-reduce compute. Equals `linear(..,
-    segments)` when `row_parallel_exact(K, tp, segments)`."""
-    return _shared.row_parallel_linear(linear_partial, x, weight, tp, bias, segments)

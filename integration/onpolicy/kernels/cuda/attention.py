@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from onpolicy.kernels.cpu.attention import _scale, varlen_with_native_grad
+from onpolicy.kernels.compose import attention_scale as _scale
+from onpolicy.kernels.compose import varlen_with_native_grad
 from onpolicy.kernels.rules import KV_BLOCK
 
 Tile = tuple[int, int, int]

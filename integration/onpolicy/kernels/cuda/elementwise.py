@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from onpolicy.kernels.autograd import exact_with_native_grad
+from onpolicy.kernels.compose import silu_mul_native
 from onpolicy.kernels.cpu import norm as _torch_norm
 from onpolicy.kernels.cpu import rope as _torch_rope
-from onpolicy.kernels.cpu.activation import _silu_mul_native
 
 
 def _capturing() -> bool:
@@ -162,7 +162,7 @@ def _silu_mul_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32, rounded to gate's dtype; the gradient is F.silu's."""
-    return exact_with_native_grad(_silu_mul_exact, _silu_mul_native, gate, up)
+    return exact_with_native_grad(_silu_mul_exact, silu_mul_native, gate, up)
 
 
 @triton.jit

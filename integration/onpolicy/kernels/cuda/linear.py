@@ -366,11 +366,3 @@ def linear(
     flat = x.reshape(-1, x.shape[-1])
     out = tree_mm(flat, weight, segments=segments, out_dtype=x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, tp: int, bias: torch.Tensor | None = None,
-    segments: int | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """`tp` row-parallel shards of a K in `segments` segments plus the tree combine."""
-    return _shared.row_parallel_linear(linear_partial, x, weight, tp, bias, segments)

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from onpolicy.kernels.autograd import exact_with_native_grad
-from onpolicy.kernels.cpu.logprob import logsumexp, scale_logits
-from onpolicy.kernels.cpu.logprob import vocab_parallel_token_logprobs as vocab_parallel
+from onpolicy.kernels.compose import logsumexp, scale_logits
+from onpolicy.kernels.compose import vocab_parallel_token_logprobs as vocab_parallel
 from onpolicy.kernels.tree import pairwise_tree_sum
 
 CHUNK = 1024
@@ -55,7 +55,7 @@ def sumexp_partial(shard: torch.Tensor, vmax: torch.Tensor, n_segments: int) -> 
 
 def _log_softmax_exact(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
-    return xf - logsumexp(xf, sumexp_partial)[..., None]
+    return xf - logsumexp(sumexp_partial, xf)[..., None]
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
     def exact(x: torch.Tensor) -> torch.Tensor:
         xf = scale_logits(x, temperature).float()
-        return xf.gather(-1, idx)[..., 0] - logsumexp(xf, sumexp_partial)
+        return xf.gather(-1, idx)[..., 0] - logsumexp(sumexp_partial, xf)
 
     def native(x: torch.Tensor) -> torch.Tensor:
         lp = torch.log_softmax(scale_logits(x, temperature).float(), -1)
@@ -87,4 +87,4 @@ def vocab_parallel_token_logprobs(
     """`token_logprobs` from vocab shards [T, V/tp], combined as tp ranks would: equal to the
     full one bit for bit when each shard holds whole segments (forward only)."""
     detached = [s.detach() for s in shards]
-    return vocab_parallel(detached, tokens, temperature, sumexp=sumexp_partial)
+    return vocab_parallel(sumexp_partial, detached, tokens, temperature)

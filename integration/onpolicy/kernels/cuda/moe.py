@@ -27,14 +27,14 @@ import triton
 import triton.language as tl
 
 from onpolicy.kernels.autograd import exact_with_native_grad
-from onpolicy.kernels.cpu.moe import combine as _torch_combine
-from onpolicy.kernels.cpu.moe import merge_expert_parallel, route_from_logits
+from onpolicy.kernels.compose import combine as _torch_combine
+from onpolicy.kernels.compose import route_from_logits
 from onpolicy.kernels.cuda import linear as _linear
 from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda.linear import linear, tree_mm
 from onpolicy.kernels.rules import check_segments
 
-__all__ = ["combine", "expert_outputs", "merge_expert_parallel", "moe", "route"]
+__all__ = ["combine", "expert_outputs", "route"]
 
 
 SMALL_PAIRS = 64
@@ -257,18 +257,3 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
     # Each row is stored straight to its pair's place.
     mm(silu_mul(gate, up), w_down, segments=segments, dst=order, out=out)
     return out.view(t, k, hidden)
-
-
-def moe(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    top_k: int,
-    renormalize: bool = True,
-    segments: int = 1,
-) -> torch.Tensor:
-    """The whole sparse MoE block on one rank: route, every expert, combine."""
-    ids, weights = route(x, gate_weight, top_k, renormalize)
-    return combine(expert_outputs(x, ids, w_gate, w_up, w_down, None, segments), ids, weights)

@@ -1,15 +1,25 @@
-"""The op names the dispatcher looks up for CUDA tensors."""
+"""The CUDA backend's surface: the flat primitive names the dispatcher looks up
+(`kernels._OPS`), the same set as `cpu/ops.py` and `kernels/native.py`. Compositions come from
+`compose`, bound to this backend's kernels; with no kernel of its own, the expert-parallel merge
+(a selection) is `compose`'s torch code."""
 
+from functools import partial
+
+from onpolicy.kernels import compose
+from onpolicy.kernels.compose import merge_expert_parallel
 from onpolicy.kernels.cuda.attention import attention, paged_attention
 from onpolicy.kernels.cuda.elementwise import embedding, rms_norm, rope, silu_mul
-from onpolicy.kernels.cuda.linear import linear, linear_partial, row_parallel_linear
+from onpolicy.kernels.cuda.linear import linear, linear_partial
 from onpolicy.kernels.cuda.logprob import (
     log_softmax,
     sumexp_partial,
     token_logprobs,
     vocab_parallel_token_logprobs,
 )
-from onpolicy.kernels.cuda.moe import combine, expert_outputs, merge_expert_parallel, moe, route
+from onpolicy.kernels.cuda.moe import combine, expert_outputs, route
+
+row_parallel_linear = partial(compose.row_parallel_linear, linear_partial)
+moe = partial(compose.moe, route, expert_outputs, combine)
 
 __all__ = [
     "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
