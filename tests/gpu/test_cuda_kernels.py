@@ -46,7 +46,8 @@ def test_tile_shape_does_not_change_the_bits(tile, dtype, k, segments):
     w = wide(300, k, seed=k + 1, dtype=dtype, spread=4, device="cuda")
     ref = K.linear_partial(x, w, segments=segments)
     for cfg in TILES:
-        for tma in (True, False):
+        tma_loads = dtype != torch.float32 and cfg[2] * x.element_size() <= 128  # L._tma_fits
+        for tma in (True, False) if tma_loads else (False,):
             tile(cfg, tma)
             got = K.linear_partial(x, w, segments=segments)
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (cfg, tma)
