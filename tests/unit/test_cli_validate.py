@@ -54,7 +54,9 @@ def test_published_plan_json(published_checkpoint, capsys: pytest.CaptureFixture
     plan = json.loads(capsys.readouterr().out)
     assert (plan["engines"], plan["gpus_per_engine"], plan["backend"]) == (4, 2, "nccl")
     assert len(plan["training_ranks"]) == len(plan["rollout_ranks"]) == 8
-    assert plan["rollout_env"] == {}
+    # On CUDA only the run's K segments (attention K 4096 over TP 2, the experts whole).
+    assert plan["rollout_env"] == {"ONPOLICY_K_SEGMENTS": "attention=2,experts=1"}
+    assert plan["k_segments"] == {"attention": 2, "experts": 1}
     assert "--sequence-parallel" in plan["megatron_args"]
 
 

@@ -252,10 +252,11 @@ def check_backward(rank: int, t: int, notes: list) -> list[str]:
 
 
 def check_tp_linear(rank: int, t: int, notes: list) -> list[str]:
-    """Row-parallel linear: K split over t ranks, fp32 partials combined by the tree."""
+    """Row-parallel linear: K in S = t segments split over t ranks (one segment of 2 blocks
+    each), fp32 partials combined by the tree."""
     k = K.K_BLOCK * 2 * t
-    if not K.row_parallel_exact(k, t):
-        return [f"row_parallel_exact({k}, {t}) is False for 2 blocks per shard"]
+    if not K.row_parallel_exact(k, t, t):
+        return [f"row_parallel_exact({k}, {t}, {t}) is False for one segment per shard"]
     m, n = 2 * t + 3, 24
     bf = torch.bfloat16
     ks = k // t
@@ -271,8 +272,8 @@ def check_tp_linear(rank: int, t: int, notes: list) -> list[str]:
     x, w = x.to(bf), w.to(bf)
     bias = adversarial(42, (n,), 0, 1).to(bf)
     partial = K.linear_partial(x[:, mine], w[:, mine])
-    full = K.linear_partial(x, w)
-    want = K.linear(x, w, bias)
+    full = K.linear_partial(x, w, segments=t)
+    want = K.linear(x, w, bias, segments=t)
     sizes = sequence_split_sizes(m, t)
     fails = []
     ar = tree_all_reduce(partial)
