@@ -9,7 +9,8 @@ folded in KV_BLOCK-wide blocks from the partition's start, per row:
 1. s = q . k by one tensor-core product over head_dim, times scale, fp32; keys past the row's
    position are -inf;
 2. m' = max(m, max s); a = exp(m - m'); p = exp(s - m');
-3. l' = l * a + sum(p); acc' = acc * a + p . v (p rounded to v's dtype for the product);
+3. l_col' = l_col * a + p per key column of the block; acc' = acc * a + p . v (p rounded to
+   v's dtype for the product); at the partition's end l = the pairwise tree over the columns;
 4. a block holding no key <= the row's position leaves (m, l, acc) untouched;
 which gives each partition's state (m, l, acc) from (-inf, 0, 0). The states of the partitions
 a row sees are merged in position order, `_merge`: M = max(m, m_p), l = l e^(m - M) +
@@ -21,10 +22,11 @@ the partition's state to a workspace, and `_merge_kernel` merges them in the sam
 short batch of long contexts still fills the GPU (flash-decoding, at fixed positions). Floating
 point contraction is off in both kernels (`enable_fp_fusion=False`): every mul and add is
 rounded on its own, so the merge's expression gives the same bits in either kernel. The tile
-shape and warps are fixed, rows never mix inside a product, and a row's keys are the same
-blocks and partitions whether they come from the packed tensor or from pages, whichever
-schedule runs: a token's output does not depend on the batch, the chunking, or prefill vs
-decode.
+(rows per program, warps) may differ between launches: rows never mix inside a product, and
+the denominator is summed per key column and then by the pairwise tree, never by `tl.sum`,
+whose order follows the threads' layout. A row's keys are the same blocks and partitions
+whether they come from the packed tensor or from pages, whichever schedule and tile run: a
+token's output does not depend on the batch, the chunking, or prefill vs decode.
 """
 
 from __future__ import annotations

@@ -1,20 +1,21 @@
-"""Exact MoE (CUDA): the router, a grouped block-tree GEMM over the touched experts, the
+"""Exact MoE (CUDA): the router, a grouped segment GEMM over the touched experts, the
 combine.
 
 - Router: the exact linear, then one program per token (`_route_kernel`): fp32 softmax whose
   sum is the pairwise tree over the experts, top-k by repeated arg-max with ties to the lower
   id (a stable descending sort's order), renormalised by the tree over the k weights.
-- Experts: `tree_mm` in grouped mode, the same kernel and block tree as `linear`, reading
-  each row of x by index, so a row's bits are those of `linear` on that row alone. Small
-  batches (at most SMALL_PAIRS (token, slot) pairs) give every pair its own M-tile of its
-  expert: no sort, only the touched experts' weights are read. Larger ones sort the pairs by
-  expert (stably) and cut each expert's rows into tiles. Gate and up are two grouped GEMMs,
-  then `silu_mul`, then the grouped down projection.
-- Combine: one program per (token, column block) (`_combine_kernel`): the slots in ascending
-  expert-id order, weight * output in fp32, the pairwise tree, rounded once: the CPU
-  backend's torch ops, step for step. Merge: the shared selection.
-The route and combine kernels need power-of-2 expert and slot counts; other counts run the
-shared torch ops. Gradients are the torch ops'.
+- Experts: `tree_mm` in grouped mode, the same kernel and segments as `linear`, reading each
+  row of x by index, so a row's bits are those of `linear` on that row alone. Small batches
+  (at most SMALL_PAIRS (token, slot) pairs) give every pair its own M-tile, the kernel reading
+  the pair's expert from the ids: no sort, only the touched experts' weights are read. Larger
+  ones sort the pairs by expert (stably) and cut each expert's rows into tiles. Gate and up
+  are one launch, then `silu_mul`, then the down projection (K in the run's expert segments),
+  which stores each row at its pair's place.
+- Combine: one program per token (`_combine_kernel`): the slots in ascending expert-id order,
+  weight * output in fp32, the pairwise tree of 1, 2, 4 or 8 terms written out, rounded once:
+  the CPU backend's torch ops, step for step. Merge: the shared selection.
+The route kernel needs power-of-2 expert and slot counts and the combine 1, 2, 4 or 8 slots;
+other counts run the shared torch ops. Gradients are the torch ops'.
 """
 
 from __future__ import annotations
