@@ -42,7 +42,7 @@ class OnpolicyAttnBackend(AttentionBackend):
         """Nothing to precompute: every forward reads the page tables it is given."""
 
     def _attend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
-                save_kv_cache: bool, new_lens: list[int]) -> torch.Tensor:  # fmt: skip
+                save_kv_cache: bool, new_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
         if layer.is_cross_attention or layer.sliding_window_size not in (None, -1):
             raise NotImplementedError(
                 "onpolicy attention serves causal full attention only (layer "
@@ -56,26 +56,24 @@ class OnpolicyAttnBackend(AttentionBackend):
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         pages_k = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, 1, hkv, d)
         pages_v = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, 1, hkv, d)
-        kv_lens = forward_batch.seq_lens.tolist()
-        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
-        tables = [rows[i, :n].long() for i, n in enumerate(kv_lens)]
-        cu = [0]
-        for n in new_lens:
-            cu.append(cu[-1] + n)
+        # Tables, lengths and offsets stay on the device (no list, no read-back): each request's
+        # pool row is its page table (page_size 1), and the kernel reads its first kv_len slots.
+        tables = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
+        cu = torch.nn.functional.pad(torch.cumsum(new_lens, 0), (1, 0))
         q3 = q.reshape(-1, hq, d)
         out = K.paged_attention(q3, pages_k.to(q.dtype), pages_v.to(q.dtype), cu, tables,
-                                kv_lens, layer.scaling)  # fmt: skip
+                                forward_batch.seq_lens, layer.scaling)  # fmt: skip
         return out.reshape(q3.shape[0], hq * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:  # fmt: skip
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache,
-                            forward_batch.extend_seq_lens.tolist())  # fmt: skip
+                            forward_batch.extend_seq_lens)  # fmt: skip
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:  # fmt: skip
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache,
-                            [1] * forward_batch.batch_size)  # fmt: skip
+        ones = torch.ones_like(forward_batch.seq_lens)  # one new token per request
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, ones)
 
     def support_triton(self) -> bool:
         return False
