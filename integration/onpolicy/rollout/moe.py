@@ -2,9 +2,13 @@
 
 Every TP rank holds the same tokens. Rank r = ep_rank * moe_tp + moe_tp_rank owns experts
 [ep_rank * E_local, (ep_rank + 1) * E_local) and the moe_tp_rank-th slice of their intermediate
-dim (SGLang's layout). Each rank computes, for every (token, slot) whose expert it owns, the
-fp32 partial of the down projection over its slice (zeros elsewhere). One all-gather over the
-TP group gives every rank every partial; then, the same on every rank:
+dim (SGLang's layout). With whole experts (moe_tp = 1) a rank computes its slots' outputs by
+`kernels.moe_expert_outputs` (the grouped kernel on CUDA; each slot's down projection is the
+run's segment tree, rounded once), zeros elsewhere, and an all-gather over the EP ranks gives
+every rank every rank's slots: step 1 below is then already done. Otherwise each rank
+computes, for every (token, slot) whose expert it owns, the fp32 partial of the down
+projection over its slice (zeros elsewhere). One all-gather over the TP group gives every rank
+every partial; then, the same on every rank:
 1. the moe_tp partials of an expert (each over S / moe_tp of the run's S segments of the
    intermediate dim, `onpolicy.segments`) are summed by the pairwise tree in rank order and
    rounded once: `kernels.linear`'s last step, so the slot output is the run's segment tree;
@@ -46,8 +50,17 @@ def sparse_moe_forward(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Te
     first = experts.moe_ep_rank * n_local
     w13, w2 = experts.w13_weight, experts.w2_weight
     inter = w13.shape[1] // 2
-    partial = x.new_zeros((*ids.shape, x.shape[-1]), dtype=torch.float32)
     segments = per_rank("experts", moe_tp)
+    owner = torch.arange(ep * n_local, device=x.device) // n_local
+    if moe_tp == 1:  # whole experts: the kernels' grouped expert op, each slot rounded once
+        local_ids = torch.where((ids >= first) & (ids < first + n_local), ids - first, n_local)
+        mine = K.moe_expert_outputs(x, local_ids, w13[:, :inter], w13[:, inter:], w2,
+                                    local_experts=range(n_local), segments=segments)  # fmt: skip
+        if ep > 1:
+            mine = collectives.all_gather(mine[None], get_tp_group().device_group)
+        slots = K.moe_merge_expert_parallel(list(mine.view(ep, *ids.shape, -1)), ids, owner)
+        return K.moe_combine(slots, ids, weights).view(hidden.shape)
+    partial = x.new_zeros((*ids.shape, x.shape[-1]), dtype=torch.float32)
     for e in range(n_local):
         tok, slot = torch.nonzero(ids == first + e, as_tuple=True)
         if tok.numel() == 0:
@@ -62,6 +75,5 @@ def sparse_moe_forward(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Te
         gathered = partial[None]
     gathered = gathered.view(ep, moe_tp, *partial.shape)
     per_ep_rank = [K.combine_partials(list(g), x.dtype) for g in gathered]
-    owner = torch.arange(ep * n_local, device=x.device) // n_local
     slots = K.moe_merge_expert_parallel(per_ep_rank, ids, owner)
     return K.moe_combine(slots, ids, weights).view(hidden.shape)
