@@ -237,7 +237,9 @@ def test_the_stock_rollout_breaks_the_assertion_at_step_1(tmp_path):
 
 
 def test_ctrl_c_tears_down(tmp_path):
-    run = Run(tmp_path / "interrupted", steps=4)
+    # Steps enough that a SIGINT sent late (a loaded machine delays this poll) still lands
+    # before the run would end; the run stops after step 1 or 2 either way.
+    run = Run(tmp_path / "interrupted", steps=20)
     jsonl = run.out / "metrics.jsonl"
     deadline = time.monotonic() + 900
     while run.proc.poll() is None and time.monotonic() < deadline:
