@@ -45,6 +45,13 @@ def run_processes(run_id: str) -> list[int]:
     return found(run_id)
 
 
+def _default_sigint() -> None:
+    """The run takes Ctrl-C as a terminal would deliver it, even where pytest itself was started
+    in the background of a script, which hands its children SIGINT ignored (and Python then
+    installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """One `onpolicy e2e` process and what was seen of it."""
 
@@ -60,7 +67,7 @@ class Run:
         out.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log.open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=REPO)  # fmt: skip
+                                     cwd=REPO, preexec_fn=_default_sigint)  # fmt: skip
         self.listeners: set[tuple[str, int, str]] = set()
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._listen, daemon=True)
@@ -237,9 +244,7 @@ def test_the_stock_rollout_breaks_the_assertion_at_step_1(tmp_path):
 
 
 def test_ctrl_c_tears_down(tmp_path):
-    # Steps enough that a SIGINT sent late (a loaded machine delays this poll) still lands
-    # before the run would end; the run stops after step 1 or 2 either way.
-    run = Run(tmp_path / "interrupted", steps=20)
+    run = Run(tmp_path / "interrupted", steps=4)
     jsonl = run.out / "metrics.jsonl"
     deadline = time.monotonic() + 900
     while run.proc.poll() is None and time.monotonic() < deadline:
