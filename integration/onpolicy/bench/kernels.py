@@ -258,7 +258,13 @@ class Bench:
         t = torch.randn(shape, device=self.device, dtype=DTYPE)
         return t if scale == 1.0 else t.mul_(scale)
 
-    def measure(self, row: Row, ours: Callable[[], object], base: Callable[[], object]) -> Row:
+    def measure(self, row: Row, ours: Callable[[], object], base: Callable[[], object],
+                graph: bool = False) -> Row:  # fmt: skip
+        """Time ours and the baseline; with `graph`, ours is captured once and each timing is
+        one replay (as a decode step runs)."""
+        if graph:
+            replay, _ = captured(ours)
+            ours = replay.replay
         row.ours_ms = self.timer.attempt(ours, row, "ours")
         row.base_ms = self.timer.attempt(base, row, "baseline")
         return row
@@ -422,12 +428,7 @@ def _decode_attention(b: Bench, graph: bool, row: Row) -> None:
     def baseline():
         return K.paged_attention(q, k_pages, v_pages, cu, list(table), kv_lens)
 
-    if graph:
-        replay, _ = captured(attend)
-        b.measure(row, replay.replay, natively(baseline))
-        del replay
-    else:
-        b.measure(row, attend, natively(baseline))
+    b.measure(row, attend, natively(baseline), graph)
     row.goal = "≥ 60% copy BW"
     if row.ours_ms is not None:
         bw = 2 * k_pages.numel() * k_pages.element_size() / (row.ours_ms * 1e-3)
@@ -463,12 +464,7 @@ def _moe(b: Bench, weights: tuple[torch.Tensor, ...], graph: bool, row: Row) -> 
     def layer():
         return K.moe(x, *weights, c.num_experts_per_tok, c.norm_topk_prob)
 
-    if graph:
-        replay, _ = captured(layer)
-        b.measure(row, replay.replay, natively(layer))
-        del replay
-    else:
-        b.measure(row, layer, natively(layer))
+    b.measure(row, layer, natively(layer), graph)
     flop = 2 * row.m * c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
     row.notes.append(f"TFLOP/s ours {tflops(flop, row.ours_ms)}, "
                      f"per-expert loop {tflops(flop, row.base_ms)}")  # fmt: skip

@@ -19,6 +19,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from onpolicy import kernels as K
+from onpolicy.bench.kernels import captured
 from onpolicy.kernels.cuda import attention as A
 from onpolicy.kernels.cuda import linear as L
 from onpolicy.kernels.cuda import moe as M
@@ -95,19 +96,6 @@ def gemm(dev: torch.device) -> None:
                       f"ratio {base / t:.2f} {same(out, ref)}")  # fmt: skip
 
 
-def graphed(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """fn captured as a CUDA graph (after a warm-up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def copy_bw(dev: torch.device) -> float:
     src = torch.ones(1 << 30, dtype=torch.int8, device=dev)
     dst = torch.empty_like(src)
@@ -142,7 +130,7 @@ def attention(dev: torch.device) -> None:
                 print(f"  {tile} split<{split_below}: {t * 1e3:.1f} us "
                       f"{nbytes / t / 1e9:.2f} TB/s = {nbytes / t * 1e3 / bw:.0%} of copy "
                       f"{same(out, ref)}")  # fmt: skip
-        g = graphed(lambda: K.paged_attention(q, kp, vp, cu, table, lens))  # noqa: B023
+        g, _ = captured(lambda: K.paged_attention(q, kp, vp, cu, table, lens))  # noqa: B023
         t = ms(g.replay)
         print(f"  default as a CUDA graph: {t * 1e3:.1f} us {nbytes / t / 1e9:.2f} TB/s = "
               f"{nbytes / t * 1e3 / bw:.0%} of copy")  # fmt: skip
@@ -183,8 +171,7 @@ def moe(dev: torch.device) -> None:
             try:
                 out = K.moe(x, gate, wg, wu, wd, top)
                 eager = ms(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
-                y = torch.empty_like(out)
-                g = graphed(lambda: y.copy_(K.moe(x, gate, wg, wu, wd, top)))  # noqa: B023
+                g, y = captured(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
                 g.replay()
                 replay = ms(g.replay)
                 print(f"moe M={m} small tile {tile}: eager {eager:.3f} ms, graph "
