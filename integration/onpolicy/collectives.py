@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from onpolicy.contract.errors import ContractError, is_power_of_2
+from onpolicy.contract.errors import ContractError
+from onpolicy.kernels.rules import is_power_of_2
 from onpolicy.kernels import moe_combine
 from onpolicy.kernels.tree import pairwise_tree_sum
 

@@ -3,7 +3,7 @@
 torch's TCPStore server binds every interface (`::`), whatever host it is given; the run's
 rendezvous (the trainer's process group, the weight-sync group) must listen on the run's bind
 address only (127.0.0.1 by default). The master binds its own socket there and hands the store
-the listening file descriptor (`master_listen_fd`).
+the listening file descriptor (`master_listen_fd`). `free_port` is the one free-port helper.
 """
 
 from __future__ import annotations
@@ -12,6 +12,14 @@ import socket
 from datetime import timedelta
 
 import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (the OS's pick; a later bind may still race for it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def tcp_store(host: str, port: int, world: int, *, is_master: bool,

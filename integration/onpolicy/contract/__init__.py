@@ -16,7 +16,7 @@ from onpolicy.contract.config import (
     model_shape,
     parse_override,
 )
-from onpolicy.contract.errors import ContractError, is_power_of_2
+from onpolicy.contract.errors import ContractError
 from onpolicy.contract.plan import Plan, format_plan, plan_dict, resolve_plan
 from onpolicy.contract.rules import RULES, k_segments, validate
 from onpolicy.contract.schema import QWEN3_MOE_TRUE_ON_POLICY_V1, Contract
@@ -33,7 +33,6 @@ __all__ = [
     "config_from_dict",
     "format_plan",
     "from_dict",
-    "is_power_of_2",
     "k_segments",
     "load_config",
     "model_shape",

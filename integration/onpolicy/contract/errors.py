@@ -12,6 +12,3 @@ class ContractError(ValueError):
         self.fix = fix
         super().__init__(f"[{rule}] {problem}\n  fix: {fix}")
 
-
-def is_power_of_2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0

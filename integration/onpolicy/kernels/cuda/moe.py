@@ -33,7 +33,7 @@ from onpolicy.kernels.compose import route_from_logits
 from onpolicy.kernels.cuda import linear as _linear
 from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda.linear import linear, tree_mm
-from onpolicy.kernels.rules import check_segments
+from onpolicy.kernels.rules import check_segments, is_power_of_2
 
 __all__ = ["combine", "expert_outputs", "route"]
 
@@ -44,10 +44,6 @@ SMALL_PAIRS = 64
 SMALL_TILE = (16, 64, 128, 4, 4)
 """The per-pair tile: 16 rows (one used), as few as the tensor core takes. Same bits as any
 other tile (`tests/gpu/test_cuda_kernels.py`)."""
-
-
-def _pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 @triton.jit
@@ -99,7 +95,7 @@ def route(
     """(topk_ids [T, k] int64, topk_weights [T, k] fp32), best first, ties to the lower id."""
     logits = linear(x, gate_weight)
     e = logits.shape[-1]
-    if not (_pow2(e) and _pow2(top_k) and top_k <= e):
+    if not (is_power_of_2(e) and is_power_of_2(top_k) and top_k <= e):
         return route_from_logits(logits, top_k, renormalize)
     flat = logits.reshape(-1, e)
     ids, w = _route_exact(flat.detach(), top_k, renormalize)
