@@ -7,7 +7,7 @@ One TOML file holds both. [model], [training] and [rollout] are the contract's
     [loss]       PPO-clip and the optional KL term                            PPOClipConfig
     [optimizer]  Adam, clipping, the distributed optimizer                    OptimizerSettings
     [sync]       how weights reach the engines                                SyncConfig
-    [task]       the prompt task and its reward                               TaskConfig
+    [task]       the prompt task and its reward (`name` picks it)             Task.Config
     [run]        run directory, checkpoints, Ray, bind address, sinks           RunSettings
 
 Every key is typed; an unknown, missing or mistyped key, a value outside its range, or a
@@ -21,6 +21,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from onpolicy.contract.config import (
     LOOP_SECTIONS,
@@ -32,7 +33,7 @@ from onpolicy.contract.config import (
 )
 from onpolicy.contract.errors import ContractError
 from onpolicy.contract.rules import validate
-from onpolicy.grpo.task import TaskConfig
+from onpolicy.grpo.tasks import task_config, task_table
 from onpolicy.train.loss import PPOClipConfig
 from onpolicy.train.step import OptimizerSettings
 from onpolicy.weights.sync import SyncConfig
@@ -112,7 +113,8 @@ class E2EConfig:
     loss: PPOClipConfig
     optimizer: OptimizerSettings
     sync: SyncConfig
-    task: TaskConfig
+    task: Any
+    """The task's own config (`onpolicy.grpo.tasks`: the class `[task] name` selects)."""
     run: RunSettings
     source: str = ""
     """The config file it was read from."""
@@ -135,12 +137,13 @@ class E2EConfig:
         cfg["training"] = {k: v for k, v in cfg["training"].items() if k not in ("cp", "dp")}
         out = {**cfg}
         for section in LOOP_SECTIONS:
-            out[section] = dataclasses.asdict(getattr(self, section))
+            value = getattr(self, section)
+            out[section] = task_table(value) if section == "task" else dataclasses.asdict(value)
         return out
 
 
 _TYPES = {"grpo": GRPOConfig, "loss": PPOClipConfig, "optimizer": OptimizerSettings,
-          "sync": SyncConfig, "task": TaskConfig, "run": RunSettings}  # fmt: skip
+          "sync": SyncConfig, "run": RunSettings}  # fmt: skip
 
 
 def _check(e: E2EConfig) -> None:
@@ -213,6 +216,10 @@ def e2e_config_from_dict(data: dict, overrides: dict[str, object] | None = None,
             raise
         except ValueError as err:  # a section's own range check (__post_init__)
             raise ContractError(f"{name}_config", str(err), f"fix [{name}]") from None
+    task = data.get("task", {})
+    if not isinstance(task, dict):
+        raise ContractError("config_types", "'task' must be a table", "write it as [task]")
+    sections["task"] = task_config(task)
     e = E2EConfig(cfg=cfg, source=source, **sections)
     _check(e)
     return e

@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
+
+from onpolicy.grpo.tasks.base import Prompt
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TaskConfig:
-    """The prompt task's knobs (the `[task]` table of a run config)."""
+class BandConfig:
+    """The band task's knobs (the `[task]` table of a run config, `name = "band"`)."""
 
-    name: str = "band"
-    """Which task; `make_task` knows "band"."""
+    name: ClassVar[str] = "band"
     prompt_min_tokens: int = 4
     """Shortest prompt, in tokens, counting the marker (>= 1)."""
     prompt_max_tokens: int = 12
@@ -60,30 +62,24 @@ class TaskConfig:
                       "reserved_ids"):  # fmt: skip
             value = getattr(self, field)
             if value < 1:
-                raise ValueError(f"TaskConfig: {field} must be >= 1, got {value}")
+                raise ValueError(f"BandConfig: {field} must be >= 1, got {value}")
         if self.prompt_max_tokens < self.prompt_min_tokens:
             raise ValueError(
-                f"TaskConfig: prompt_max_tokens ({self.prompt_max_tokens}) must be >= "
+                f"BandConfig: prompt_max_tokens ({self.prompt_max_tokens}) must be >= "
                 f"prompt_min_tokens ({self.prompt_min_tokens})"
             )
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Prompt:
-    """One generated prompt and what its reward needs."""
+class BandTask:
+    """The band task on a vocabulary: prompts for a step, and the reward of a response.
 
-    ids: list[int]
-    """Prompt token ids; the last one is the band's marker."""
-    index: int
-    """Position in the step's batch of prompts (0-based)."""
-    band: int
-    """The target band k: the reward counts response ids in [k * W, (k + 1) * W)."""
+    A prompt's label is its target band k (the last id is k's marker): the reward counts
+    response ids in [k * W, (k + 1) * W)."""
 
+    name: ClassVar[str] = "band"
+    Config: ClassVar[type] = BandConfig
 
-class Task:
-    """The band task on a vocabulary: prompts for a step, and the reward of a response."""
-
-    def __init__(self, config: TaskConfig, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(self, config: BandConfig, vocab_size: int, eos_token_id: int) -> None:
         if not 0 <= eos_token_id < vocab_size:
             raise ValueError(f"band task: eos_token_id ({eos_token_id}) must be in "
                              f"[0, vocab_size={vocab_size})")  # fmt: skip
@@ -128,24 +124,14 @@ class Task:
             length = rng.randint(c.prompt_min_tokens, c.prompt_max_tokens)
             pool = self.band_range(band) if c.filler_from_band else all_bands
             ids = [pool[rng.randrange(len(pool))] for _ in range(length - 1)]
-            out.append(Prompt(ids=[*ids, self.marker(band)], index=index, band=band))
+            out.append(Prompt(ids=[*ids, self.marker(band)], index=index, label=band))
         return out
 
     def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
         """The fraction of the response (cut at its first EOS) inside the prompt's band."""
         if self.eos_token_id in response_ids:
             response_ids = response_ids[: response_ids.index(self.eos_token_id)]
-        target = self.band_range(prompt.band)
+        target = self.band_range(prompt.label)
         hits = sum(1 for t in response_ids if t in target)
         return hits / max(len(response_ids), self.config.min_response_tokens)
 
-
-TASKS = {"band": Task}
-"""The tasks by `TaskConfig.name`."""
-
-
-def make_task(config: TaskConfig, vocab_size: int, eos_token_id: int) -> Task:
-    """The task `config.name` names, checked against the vocabulary."""
-    if config.name not in TASKS:
-        raise ValueError(f"TaskConfig: unknown task name {config.name!r}; known: {sorted(TASKS)}")
-    return TASKS[config.name](config, vocab_size, eos_token_id)
