@@ -19,6 +19,8 @@ programs: the only cut of K is the segments, fixed for the run.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -118,9 +120,22 @@ def _root(c, s0, s1, s2, s3, s4, s5, n: tl.constexpr):
 
 
 @triton.jit
+def _sealed(c, SEAL: tl.constexpr):
+    """c through an identity the compiler cannot see into. Triton rewrites `s + dot(a, b, 0)`
+    as `dot(a, b, s)` (its dot-add combine), which chains s into the tensor-core accumulation:
+    a segment of one chunk (seg_k <= BLOCK_K, whose loop folds away) would then start from the
+    partial below it in the tree instead of from zero, and the bits would depend on the tile.
+    The interpreter does no such rewrite (and has no inline asm): SEAL is off there."""
+    if SEAL:
+        c = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [c], dtype=tl.float32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    return c
+
+
+@triton.jit
 def _segment(
     x_rows, w_cols, m_ok, n_ok, k0, seg_k: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+    BK: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, SEAL: tl.constexpr,
 ):  # fmt: skip
     """One segment [k0, k0 + seg_k): its chunks' products chained from zero."""
     rk = tl.arange(0, BK)
@@ -138,26 +153,26 @@ def _segment(
             c = tl.dot(a, b, c, input_precision="ieee")
         else:
             c = tl.dot(a, b, c)
-    return c
+    return _sealed(c, SEAL)
 
 
 @triton.jit
 def _segment_tma(x_desc, w_desc, row0, col0, k0, seg_k: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, BK: tl.constexpr, SEAL: tl.constexpr):  # fmt: skip
     """`_segment` through the tensor-memory accelerator: the same chunks, the same chain."""
     c = tl.zeros((BM, BN), dtype=tl.float32)
     for j in range(0, seg_k, BK):
         a = x_desc.load([row0, k0 + j])
         b = w_desc.load([col0, k0 + j])
         c = tl.dot(a, b.T, c)
-    return c
+    return _sealed(c, SEAL)
 
 
 @triton.jit
 def _mm_tma_kernel(
     x_desc, w_desc, out_ptr, M, N, stride_om, OUT_FP32: tl.constexpr,
     SEGMENTS: tl.constexpr, SEG_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr, SEAL: tl.constexpr,
 ):  # fmt: skip
     """`_mm_kernel` for a plain [M, K] x with whole chunks in every segment, its tiles loaded
     by TMA (rows past M read as zero)."""
@@ -173,9 +188,10 @@ def _mm_tma_kernel(
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
     for j in tl.static_range(SEGMENTS - 1):
-        c = _segment_tma(x_desc, w_desc, row0, col0, j * SEG_K, SEG_K, BM, BN, BK)
+        c = _segment_tma(x_desc, w_desc, row0, col0, j * SEG_K, SEG_K, BM, BN, BK, SEAL)
         s0, s1, s2, s3, s4, s5 = _push(c, s0, s1, s2, s3, s4, s5, j)
-    c = _segment_tma(x_desc, w_desc, row0, col0, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK)
+    c = _segment_tma(x_desc, w_desc, row0, col0, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK,
+                         SEAL)
     acc = _root(c, s0, s1, s2, s3, s4, s5, SEGMENTS - 1)
     rm = row0 + tl.arange(0, BM)
     rn = col0 + tl.arange(0, BN)
@@ -195,7 +211,7 @@ def _mm_kernel(
     ROW_DIV: tl.constexpr, DUAL: tl.constexpr, OUT_FP32: tl.constexpr,
     SEGMENTS: tl.constexpr, SEG_K: tl.constexpr, EVEN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SEAL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BN)
@@ -242,10 +258,10 @@ def _mm_kernel(
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
     for j in tl.static_range(SEGMENTS - 1):
-        c = _segment(x_rows, w_cols, m_ok, n_ok, j * SEG_K, SEG_K, BM, BN, BK, EVEN, IEEE)
+        c = _segment(x_rows, w_cols, m_ok, n_ok, j * SEG_K, SEG_K, BM, BN, BK, EVEN, IEEE, SEAL)
         s0, s1, s2, s3, s4, s5 = _push(c, s0, s1, s2, s3, s4, s5, j)
     c = _segment(x_rows, w_cols, m_ok, n_ok, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK, EVEN,
-                 IEEE)  # fmt: skip
+                 IEEE, SEAL)  # fmt: skip
     acc = _root(c, s0, s1, s2, s3, s4, s5, SEGMENTS - 1)
     dst = tl.load(dst_ptr + rm, mask=m_ok, other=0) if SCATTER else rm
     out = out_ptr + dst.to(tl.int64)[:, None] * stride_om + rn[None, :]
@@ -303,7 +319,7 @@ def tree_mm(
             TensorDescriptor.from_tensor(x, [bm, bk]),
             TensorDescriptor.from_tensor(weight, [bn, bk]), out, m, n, out.stride(0),
             OUT_FP32=out_dtype is None, SEGMENTS=segments, SEG_K=seg_k, BM=bm, BN=bn, BK=bk,
-            GROUP_M=8, num_warps=warps, num_stages=stages,
+            GROUP_M=8, SEAL=SEAL and segments > 1, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
     te, ts, tend = tiles if grouped else (pair_experts if pairs else dummy, dummy, dummy)
@@ -321,11 +337,15 @@ def tree_mm(
         GATHER=rows is not None, SCATTER=dst is not None, GROUPED=grouped, PAIRS=pairs,
         ROW_DIV=row_div, DUAL=dual, OUT_FP32=out_dtype is None,
         SEGMENTS=segments, SEG_K=seg_k, EVEN=seg_k % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-        IEEE=x.dtype == torch.float32, num_warps=warps,
+        IEEE=x.dtype == torch.float32, SEAL=SEAL and segments > 1, num_warps=warps,
         num_stages=stages if x.dtype != torch.float32 else 1,
     )  # fmt: skip
     return out
 
+
+SEAL = os.environ.get("TRITON_INTERPRET") != "1"
+"""Seal each segment's partial before the tree adds it (`_sealed`); tests turn it off to show
+what the compiler's dot-add combine does without it."""
 
 TMA = True
 """Load plain GEMM tiles by TMA where the shapes allow (the bits are the same either way)."""
