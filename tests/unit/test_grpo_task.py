@@ -40,7 +40,9 @@ def test_prompt_layout(task: BandTask):
 
 
 def test_fillers_from_all_bands():
-    t = BandTask(BandConfig(filler_from_band=False, prompt_min_tokens=30, prompt_max_tokens=30), V, EOS)
+    t = BandTask(
+        BandConfig(filler_from_band=False, prompt_min_tokens=30, prompt_max_tokens=30), V, EOS
+    )
     prompts = t.prompts(step=0, count=20, seed=0)
     fillers = [i for p in prompts for i in p.ids[:-1]]
     assert all(0 <= i < 800 for i in fillers)
@@ -48,7 +50,7 @@ def test_fillers_from_all_bands():
     assert any(i not in t.band_range(p.label) for p in prompts for i in p.ids[:-1])
 
 
-def test_prompts_avoid_the_tiny_tokenizers_added_tokens(task: Task, tmp_path):
+def test_prompts_avoid_the_tiny_tokenizers_added_tokens(task: BandTask, tmp_path):
     write_tokenizer(tmp_path, V)
     added = {a["id"] for a in json.loads((tmp_path / "tokenizer.json").read_text())["added_tokens"]}
     assert EOS in added and len(added) >= 3

@@ -134,4 +134,3 @@ class BandTask:
         target = self.band_range(prompt.label)
         hits = sum(1 for t in response_ids if t in target)
         return hits / max(len(response_ids), self.config.min_response_tokens)
-

@@ -190,8 +190,7 @@ def _mm_tma_kernel(
     for j in tl.static_range(SEGMENTS - 1):
         c = _segment_tma(x_desc, w_desc, row0, col0, j * SEG_K, SEG_K, BM, BN, BK, SEAL)
         s0, s1, s2, s3, s4, s5 = _push(c, s0, s1, s2, s3, s4, s5, j)
-    c = _segment_tma(x_desc, w_desc, row0, col0, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK,
-                         SEAL)
+    c = _segment_tma(x_desc, w_desc, row0, col0, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK, SEAL)
     acc = _root(c, s0, s1, s2, s3, s4, s5, SEGMENTS - 1)
     rm = row0 + tl.arange(0, BM)
     rn = col0 + tl.arange(0, BN)
