@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,19 +12,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_torchrun(
     script: Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> str:
     """Run `script` under torchrun with `nproc` local ranks; return stdout, fail with the logs."""
+    from onpolicy.rendezvous import free_port
+
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         str(script), *args,
     ]  # fmt: skip
     full_env = {

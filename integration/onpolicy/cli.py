@@ -78,15 +78,9 @@ def parity_main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
     ap.add_argument("--workdir", default="runs/parity", help="checkpoint, rollouts, logs")
     args = ap.parse_args(argv)
+    from onpolicy.compare import format_table
     from onpolicy.contract import ContractError, load_config, parse_override
-    from onpolicy.parity import (
-        ParityRun,
-        WorkerError,
-        config_pair,
-        format_table,
-        parse_pair,
-        run_pairs,
-    )
+    from onpolicy.parity import ParityRun, WorkerError, config_pair, parse_pair, run_pairs
 
     try:
         overrides = dict(parse_override(item) for item in args.set)

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from onpolicy.contract.errors import ContractError
-from onpolicy.kernels.rules import is_power_of_2
 from onpolicy.kernels import moe_combine
+from onpolicy.kernels.rules import is_power_of_2
 from onpolicy.kernels.tree import pairwise_tree_sum
 
 Group = dist.ProcessGroup | None

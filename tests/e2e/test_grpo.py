@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 # --- running the CLI --------------------------------------------------------------------------
 def run_processes(run_id: str) -> list[int]:
-    from onpolicy.grpo.driver import run_processes as found
+    from onpolicy.grpo.procs import run_processes as found
 
     return found(run_id)
 

@@ -122,12 +122,6 @@ def reference(model_dir, sequences):
     return get
 
 
-def layout_args(layout: ParallelLayout) -> list[str]:
-    args = ["--tp", str(layout.tp), "--pp", str(layout.pp), "--ep", str(layout.ep),
-            "--etp", str(layout.etp)]  # fmt: skip
-    return args + (["--sp"] if layout.sp else [])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_logprobs_equal_the_reference_bitwise(
@@ -136,7 +130,7 @@ def test_logprobs_equal_the_reference_bitwise(
     layout, temperature = LAYOUTS[name]
     torchrun(WORKER, layout.world, "--ckpt", str(model_dir), "--out", str(tmp_path),
                    "--sequences", str(sequences[0]), "--temperature", str(temperature),
-                   "--mb-tokens", str(MB_TOKENS), *layout_args(layout))  # fmt: skip
+                   "--mb-tokens", str(MB_TOKENS), *layout.cli_args())  # fmt: skip
     got = torch.load(tmp_path / "logprobs.pt")
     # The log-prob is also the training loss's input: its vocab-parallel gradient is torch's, up
     # to fp32 rounding (the gradients are O(1); a gradient missing or doubled on a shard is O(1)).

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 from onpolicy.bits import bitwise_equal, mismatch_report, n_differ
-from onpolicy.checkpoint.hf_megatron import hf_to_megatron
 from onpolicy.layout import ParallelLayout
-from onpolicy.models.hf_layout import load_hf_state_dict
+from onpolicy.models.hf_layout import read_hf_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.hf_megatron import hf_to_megatron
 from onpolicy.train.loss import PPOClipConfig, ppo_clip_loss
 
 WORKER = Path(__file__).parent / "workers" / "megatron_train.py"
@@ -162,7 +162,7 @@ def test_ppo_gradient_matches_hf(name, torchrun, tiny_checkpoint, hf_fp32, tmp_p
         _, perturbed = _hf_grads(hf_fp32, cfg, rec, 1.0)  # not cached: other weights
     finally:
         with torch.no_grad():
-            weight.copy_(load_hf_state_dict(tiny_checkpoint)[
+            weight.copy_(read_hf_checkpoint(tiny_checkpoint, strict=False).tensors[
                 "model.layers.0.input_layernorm.weight"].float())  # fmt: skip
     worse = grad_errors(records, layout, cfg, perturbed)
     print(f"{name}: controls: negated min {min(bad[k] for k in live):.2e}, "
@@ -206,7 +206,7 @@ def test_distributed_optimizer_steps_at_tp2_dp2(dtype, train_launches, tiny_chec
 
     cfg = Qwen3MoeConfig.from_hf(tiny_checkpoint)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    hf = load_hf_state_dict(tiny_checkpoint)
+    hf = read_hf_checkpoint(tiny_checkpoint, strict=False).tensors
     for rank, rec in enumerate(records):
         start = hf_to_megatron(cfg, hf, TRAIN_LAYOUT, rank, torch_dtype)
         params = rec["params"]

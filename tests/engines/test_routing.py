@@ -1,7 +1,7 @@
 """Routing cross-check: the rollout's routed expert ids equal the trainer's, per token and layer.
 
 One exact SGLang engine (TP2 EP2, `return_routed_experts=True`) samples a few prompts through
-`EngineService.generate` (`parity_rollout.sample` with `return_routed_experts`); SGLang's own
+`EngineService.generate` (`rollout.engine.sample` with `return_routed_experts`); SGLang's own
 routed-experts capturer returns the ids `onpolicy.rollout.moe` fed it. One torchrun job (world
 8: Megatron TP2 PP2 EP2 with SP, so the ids come from SP shards, two pipeline stages, two EP
 ranks and two DP replicas) scores the same sequences with `logprobs(..., routes=True)`.

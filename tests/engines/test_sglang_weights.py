@@ -13,6 +13,7 @@ SGLang's stock CPU path must not match the reference.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from onpolicy.bits import bitwise_equal, mismatch_report, n_differ
-from onpolicy.parity_rollout import engine_env
+from onpolicy.rollout.engine import engine_env
 
 WORKER = Path(__file__).parent / "workers" / "sglang_weights.py"
 PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [500, 600, 700, 800, 900]]
@@ -64,7 +65,8 @@ def engine_run(request, checkpoints, tmp_path_factory):
            "--out", str(out), "--tp", str(tp), "--ep", str(ep), "--dtype", dtype,
            "--new-tokens", str(NEW_TOKENS), "--temperature", str(TEMPERATURE),
            "--prompts", json.dumps(PROMPTS)] + (["--stock"] if stock else [])  # fmt: skip
-    p = subprocess.run(cmd, env=engine_env(tp, tmp), capture_output=True, text=True, timeout=900)
+    env = engine_env(tp, tmp, base=os.environ)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
         pytest.fail(f"engine {request.param} exited {p.returncode}\n{p.stderr[-8000:]}")
     return request.param, dtype, stock, json.loads(out.read_text())["phases"]

@@ -20,15 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 from onpolicy.bits import assert_bitwise, bitwise_equal
-from onpolicy.checkpoint.hf import (
-    COMPLETE,
+from onpolicy.checkpoint.hf import COMPLETE, is_complete, write_hf_checkpoint
+from onpolicy.models.hf_layout import (
     INDEX,
     CheckpointError,
-    is_complete,
+    hf_tensor_shapes,
     read_hf_checkpoint,
-    write_hf_checkpoint,
 )
-from onpolicy.models.hf_layout import hf_tensor_shapes, load_hf_state_dict
 from onpolicy.models.tiny import tiny, write_tiny_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -223,12 +221,12 @@ def test_header_offsets_past_the_data_or_overlapping_are_refused(ckpt):
     refused(ckpt, "hf_safetensors_corrupt", str(file), O_PROJ, "'Q4'")
 
 
-def test_load_hf_state_dict_checks_the_header_too(ckpt):
-    assert set(load_hf_state_dict(ckpt)) == set(hf_tensor_shapes(SMALL))
+def test_the_lenient_read_checks_the_header_too(ckpt):
+    assert set(read_hf_checkpoint(ckpt, strict=False).tensors) == set(hf_tensor_shapes(SMALL))
     file = ckpt / "model.safetensors"
     file.write_bytes(file.read_bytes()[:-1])
     with pytest.raises(CheckpointError, match=r"past the end.*\[rule hf_safetensors_corrupt\]"):
-        load_hf_state_dict(ckpt)
+        read_hf_checkpoint(ckpt, strict=False)
 
 
 # ---- sharded checkpoints: the index ----------------------------------------------------------

@@ -15,8 +15,8 @@ import pytest
 import torch
 from onpolicy.checkpoint import torch_dist
 from onpolicy.checkpoint.convert import main
-from onpolicy.checkpoint.hf import CheckpointError
 from onpolicy.layout import ParallelLayout
+from onpolicy.models.hf_layout import CheckpointError
 from onpolicy.models.tiny import TINY, tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[2]

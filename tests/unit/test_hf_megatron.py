@@ -8,23 +8,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from onpolicy.checkpoint.hf_megatron import (
+from onpolicy.layout import ParallelLayout
+from onpolicy.models import tiny as tiny_shape
+from onpolicy.models import write_tiny_checkpoint
+from onpolicy.models.hf_layout import hf_tensor_shapes, read_hf_checkpoint
+from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.hf_megatron import (
     hf_tensors_of,
     hf_to_megatron,
     megatron_to_hf,
     parse_megatron_name,
     split_qkv,
 )
-from onpolicy.layout import ParallelLayout
-from onpolicy.models import tiny as tiny_shape
-from onpolicy.models import write_tiny_checkpoint
-from onpolicy.models.hf_layout import hf_tensor_shapes, load_hf_state_dict
-from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint):
-    return Qwen3MoeConfig.from_hf(tiny_checkpoint), load_hf_state_dict(tiny_checkpoint)
+    hf = read_hf_checkpoint(tiny_checkpoint, strict=False).tensors
+    return Qwen3MoeConfig.from_hf(tiny_checkpoint), hf
 
 
 def test_missing_and_misshaped_tensors_are_named(tiny):
@@ -62,7 +63,8 @@ def test_a_wider_checkpoint_is_read_as_configured(tmp_path):
     cfg = tiny_shape(num_experts=4, num_experts_per_tok=1, num_hidden_layers=2, vocab_size=300)
     path = write_tiny_checkpoint(tmp_path / "small", cfg, seed=1)
     assert Qwen3MoeConfig.from_hf(path) == cfg
-    shard = hf_to_megatron(cfg, load_hf_state_dict(path), ParallelLayout(world=1), 0, torch.float32)
+    sd = read_hf_checkpoint(path, strict=False).tensors
+    shard = hf_to_megatron(cfg, sd, ParallelLayout(world=1), 0, torch.float32)
     assert shard["output_layer.weight"].shape == (300, 64)
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in shard
 

@@ -37,3 +37,61 @@ def test_bad_ranks_and_splits_are_refused_by_name():
         layout.experts(0, 7)
     with pytest.raises(ValueError, match="3 layers do not split into PP = 2"):
         ParallelLayout(world=4, pp=2).layers(0, 3)
+
+
+def test_name_and_parse_round_trip():
+    published = ParallelLayout(world=8, tp=2, pp=2, ep=2, sp=True)
+    assert published.name() == "world8-tp2-pp2-ep2-sp"
+    assert published.name(full=True) == "world8-tp2-pp2-ep2-etp1-sp"
+    assert ParallelLayout(world=1).name(full=True) == "world1-tp1-pp1-ep1-etp1"
+    layouts = [
+        published,
+        ParallelLayout(world=1),
+        ParallelLayout(world=4, tp=2, ep=2, etp=2),
+        ParallelLayout(world=8, pp=2, ep=4),
+        ParallelLayout(world=4, tp=2, cp=2, sp=True),
+    ]
+    for layout in layouts:
+        assert ParallelLayout.parse(layout.name()) == layout, layout
+        assert ParallelLayout.parse(layout.name(full=True)) == layout, layout
+    # Tokens in any order; an unnamed world is tp x pp x cp.
+    assert ParallelLayout.parse("sp-tp2-world8-ep2-pp2") == published
+    assert ParallelLayout.parse("tp2-sp") == ParallelLayout(world=2, tp=2, sp=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "token", "what"),
+    [("world8-xp2", "xp2", "unknown"), ("tp2-tp2-sp", "tp2", "repeated"), ("", "", "unknown"),
+     ("world8--sp", "", "unknown"), ("tpx", "tpx", "unknown"), ("sp-sp", "sp", "repeated")],
+)  # fmt: skip
+def test_parse_names_the_bad_token(text, token, what):
+    with pytest.raises(ValueError, match=f"layout {text!r}: token {token!r} is {what}"):
+        ParallelLayout.parse(text)
+
+
+def test_command_line_arguments(monkeypatch):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ParallelLayout.add_arguments(ap)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = ap.parse_args(["--tp", "2", "--pp", "2", "--ep", "2", "--sp", "--world", "8"])
+    assert ParallelLayout.from_args(args) == ParallelLayout(world=8, tp=2, pp=2, ep=2, sp=True)
+    assert ParallelLayout.from_args(ap.parse_args([])) == ParallelLayout(world=1)
+    assert ParallelLayout.from_args(ap.parse_args(["--tp", "2"])).world == 2  # tp x pp x cp
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a worker torchrun started
+    args = ap.parse_args(["--tp", "2", "--etp", "2", "--ep", "2"])
+    assert ParallelLayout.from_args(args) == ParallelLayout(world=4, tp=2, ep=2, etp=2)
+
+
+def test_cli_args_are_read_back_whole():
+    import argparse
+
+    for layout in (
+        ParallelLayout(world=8, tp=2, pp=2, ep=2, sp=True),
+        ParallelLayout(world=4, tp=2, etp=2, ep=2, sp=True),
+        ParallelLayout(world=1),
+    ):
+        ap = argparse.ArgumentParser()
+        ParallelLayout.add_arguments(ap)
+        assert ParallelLayout.from_args(ap.parse_args(layout.cli_args())) == layout

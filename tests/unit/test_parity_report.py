@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from onpolicy.cli import main
+from onpolicy.compare import PairResult, compare, format_table
 from onpolicy.contract import ContractError
-from onpolicy.parity import (
-    PairResult,
-    WorkerError,
-    _run,
-    compare,
-    format_table,
-    pair_config,
-    parse_pair,
-    training_name,
-)
+from onpolicy.parity import WorkerError, pair_config, parse_pair
+from onpolicy.parity.run import _run
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
 
@@ -101,7 +94,7 @@ def test_pair_specs():
     assert (p.rollout.tp, p.rollout.ep) == (2, 2)
     t = p.training
     assert (t.world, t.tp, t.pp, t.ep, t.etp, t.sp, t.dp) == (8, 2, 2, 2, 1, True, 2)
-    assert p.name == "tp2-ep2:world8-tp2-pp2-ep2-sp" and training_name(t) == p.name.split(":")[1]
+    assert p.name == "tp2-ep2:world8-tp2-pp2-ep2-sp" and t.name() == p.name.split(":")[1]
     assert parse_pair("tp1:tp2-sp").training.world == 2
     stock = parse_pair("tp1-stock:world1").rollout
     assert stock.stock and stock.name == "tp1-stock" and not parse_pair("tp1:world1").rollout.stock

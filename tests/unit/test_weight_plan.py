@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from onpolicy.checkpoint.hf_megatron import hf_tensors_of
 from onpolicy.layout import ParallelLayout
 from onpolicy.models.hf_layout import hf_tensor_shapes
 from onpolicy.models.tiny import TINY
+from onpolicy.train.hf_megatron import hf_tensors_of
 from onpolicy.weights import SyncConfig, covers, group_ranks, sync_items
 from onpolicy.weights.gather import _join
 

@@ -5,7 +5,7 @@
 `--out` writes the section HEADING of FILE (replaced on a re-run).
 
 Each engine (TP1, the tiny seeded Qwen3-MoE, bf16) runs in its own process
-(`onpolicy.parity_rollout`'s launch): one warm-up batch, then `--reps` timed batches of
+(`onpolicy.rollout.engine.launch`): one warm-up batch, then `--reps` timed batches of
 `--prompts` prompts x `--new-tokens` sampled tokens (EOS ignored, log-probs returned). The
 figure is generated tokens per second of the median batch. The stock engine is the same
 engine without `rl_on_policy_target` and with SGLang's torch_native attention.
@@ -34,7 +34,7 @@ def measure(args: argparse.Namespace) -> None:
     """The timed part, inside the engine's process: one JSON line of batch times on stdout."""
     import torch
 
-    from onpolicy.parity_rollout import RolloutRequest, launch, sample
+    from onpolicy.rollout.engine import RolloutRequest, launch, sample
 
     g = torch.Generator().manual_seed(0)
     lengths = [4 + (7 * i) % 13 for i in range(args.prompts)]
@@ -54,12 +54,12 @@ def measure(args: argparse.Namespace) -> None:
 
 
 def run_engine(engine: str, ckpt: Path, args: argparse.Namespace, tmp: Path) -> list[float]:
-    from onpolicy.parity_rollout import engine_env
+    from onpolicy.rollout.engine import engine_env
 
     cmd = [sys.executable, "-m", "onpolicy.bench.rollout", "--measure", engine, "--ckpt",
            str(ckpt), "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
            "--reps", str(args.reps), "--dtype", args.dtype]  # fmt: skip
-    env = engine_env(1, tmp / engine)
+    env = engine_env(1, tmp / engine, base=os.environ)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [x for x in p.stdout.splitlines() if x.startswith("TIMES ")]
     if p.returncode != 0 or not lines:

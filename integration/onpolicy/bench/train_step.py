@@ -2,9 +2,9 @@
 
 One PPO-clip step (`onpolicy.train.step.train_step`: forward, backward, finalize, distributed
 Adam) on the seeded tiny Qwen3-MoE, at world 1 and at TP2 + SP, one thread per rank:
-- exact: `build_gpt_model(spec="exact")`, packed THD micro-batches (`policy_micro_batches`),
+- exact: `build_model(spec="exact")`, packed THD micro-batches (`policy_micro_batches`),
   the exact vocab-parallel log-probs (`logprobs.token_logprobs`);
-- local: `build_gpt_model(spec="local")` (the stock local spec; it has no THD attention), the
+- local: `build_model(spec="local")` (the stock local spec; it has no THD attention), the
   same equal-length sequences as a [b, s] batch per micro-batch, `torch.log_softmax` of the
   TP-gathered logits. Its TP/SP mapping sums are whatever this build's megatron-core runs (the
   patch series routes them to onpolicy's tree); the section says which.
@@ -21,7 +21,6 @@ import contextlib
 import datetime
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import textwrap
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from onpolicy.bench import commit, write_section
+from onpolicy.rendezvous import free_port
 
 HEADING = "## Training step: exact vs local spec (CPU)"
 """The section of docs/benchmarks.md this benchmark owns."""
@@ -106,9 +106,9 @@ def _local_logprobs(output: torch.Tensor, inputs: dict, temperature: float) -> t
 
 
 def _measure(args, layout, cfg, hf: dict, spec: str) -> list[float]:
-    from onpolicy.checkpoint.hf_megatron import hf_to_megatron
+    from onpolicy.train.builder import build_model
+    from onpolicy.train.hf_megatron import hf_to_megatron
     from onpolicy.train.loss import PPOClipConfig
-    from onpolicy.train.megatron_model import build_gpt_model
     from onpolicy.train.step import (
         OptimizerSettings,
         policy_micro_batches,
@@ -116,8 +116,8 @@ def _measure(args, layout, cfg, hf: dict, spec: str) -> list[float]:
         train_step,
     )
 
-    model = build_gpt_model(cfg, layout, torch.bfloat16, spec=spec)
-    model.load_state_dict(hf_to_megatron(cfg, hf, layout, dist.get_rank(), torch.bfloat16))
+    weights = hf_to_megatron(cfg, hf, layout, dist.get_rank(), torch.bfloat16)
+    model = build_model(cfg, layout, torch.bfloat16, spec=spec, weights=weights)
     chunks, optimizer = setup_training(model, OptimizerSettings(lr=1e-6))
     data = _batch(args, cfg.vocab_size)
     per_micro = args.seqs // args.micro_batches
@@ -143,20 +143,19 @@ def _measure(args, layout, cfg, hf: dict, spec: str) -> list[float]:
 
 def _worker(rank: int, world: int, port: int, args, ckpt: str, name: str, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from onpolicy.layout import ParallelLayout
-    from onpolicy.models.hf_layout import load_hf_state_dict
+    from onpolicy.models.hf_layout import read_hf_checkpoint
     from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
-    from onpolicy.train.megatron_model import initialize_parallel_state
+    from onpolicy.rendezvous import tcp_store
+    from onpolicy.train.builder import init_parallel, set_seed
 
     layout = ParallelLayout(world=world, tp=world, sp=LAYOUTS[name][1])
-    initialize_parallel_state(layout)
-    model_parallel_cuda_manual_seed(0)
-    cfg, hf = Qwen3MoeConfig.from_hf(ckpt), load_hf_state_dict(ckpt)
+    store = tcp_store("127.0.0.1", port, world, is_master=rank == 0)
+    init_parallel(layout, store=store, rank=rank)
+    set_seed(0)
+    cfg, hf = Qwen3MoeConfig.from_hf(ckpt), read_hf_checkpoint(ckpt, strict=False).tensors
     for spec in ("local", "exact"):
         times = _measure(args, layout, cfg, hf, spec)
         if rank == 0:
@@ -210,10 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         for name, (world, _) in LAYOUTS.items():
             queue = ctx.Queue()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(_worker, args=(world, port, args, ckpt, name, queue),
+            mp.start_processes(_worker, args=(world, free_port(), args, ckpt, name, queue),
                                nprocs=world, join=True, start_method="spawn")  # fmt: skip
             rows += [Row(layout=name, spec=spec, times=t) for spec, t in
                      (queue.get() for _ in range(2))]  # fmt: skip

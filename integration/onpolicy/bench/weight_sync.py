@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 
 from onpolicy.bench import commit, write_section
+from onpolicy.layout import ParallelLayout
 
 HEADING = "## Weight sync on CPU: Megatron -> SGLang"
 """The section this benchmark owns in docs/benchmarks.md."""
-LAYOUT = {"world": 4, "tp": 2, "ep": 2, "sp": True}
+LAYOUT = ParallelLayout(world=4, tp=2, ep=2, sp=True)
 """The trainer layout (tiny-cpu's)."""
 
 
@@ -37,25 +38,15 @@ def worker(args: argparse.Namespace) -> None:
     """One torchrun rank; rank 0 prints a JSON line of the timings."""
     import torch
     import torch.distributed as dist
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from onpolicy.checkpoint.hf_megatron import hf_to_megatron
-    from onpolicy.layout import ParallelLayout
-    from onpolicy.models.hf_layout import load_hf_state_dict
-    from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
     from onpolicy.rollout.host import KEY_ENV, EngineClient
-    from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
+    from onpolicy.train.builder import init_parallel, load_model, set_seed
     from onpolicy.weights import Gatherer, SyncConfig, WeightSync
 
-    dist.init_process_group("gloo")
-    layout = ParallelLayout(**LAYOUT)
-    initialize_parallel_state(layout)
-    model_parallel_cuda_manual_seed(1234)
-    cfg = Qwen3MoeConfig.from_hf(args.ckpt)
-    model = build_gpt_model(cfg, layout, torch.bfloat16)
-    sd = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), layout, dist.get_rank(),
-                        torch.bfloat16)  # fmt: skip
-    model.load_state_dict(sd, strict=True)
+    layout = LAYOUT
+    init_parallel(layout)
+    set_seed()
+    cfg, model = load_model(args.ckpt, layout, torch.bfloat16)
     gatherer = Gatherer(model, cfg, layout)
     out: dict = {"gather": []}
     for _ in range(args.reps):
@@ -129,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             host.wait()
             cmd = [sys.executable, "-m", "torch.distributed.run",
-                   f"--nproc-per-node={LAYOUT['world']}", "-m", "onpolicy.bench.weight_sync",
+                   f"--nproc-per-node={LAYOUT.world}", "-m", "onpolicy.bench.weight_sync",
                    "--worker", "--ckpt", str(ckpt),
                    "--address-file", str(host.address_file), "--bucket-bytes", str(bucket),
                    "--reps", str(args.reps)]  # fmt: skip

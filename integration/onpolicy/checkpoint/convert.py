@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,10 +25,11 @@ from dataclasses import fields
 from pathlib import Path
 
 from onpolicy.checkpoint import torch_dist
-from onpolicy.checkpoint.hf import CheckpointError
 from onpolicy.contract.errors import ContractError
 from onpolicy.layout import ParallelLayout
+from onpolicy.models.hf_layout import CheckpointError
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.rendezvous import free_port
 
 WORKER = "onpolicy.checkpoint.convert_worker"
 LOG_TAIL = 4000
@@ -122,19 +122,13 @@ def _refuse_existing_iteration(root: str, iteration: int) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(job: dict, world: int, log=print) -> None:
     """Run the worker under torchrun; raise the worker's refusal, or WorkerDied."""
     with tempfile.TemporaryDirectory(prefix="onpolicy-convert-") as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job, indent=2))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", WORKER,
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", WORKER,
                str(job_file)]  # fmt: skip
         log(f"onpolicy convert: {job['mode']} on {world} rank(s)")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -21,22 +21,16 @@ REFUSED = "refused.txt"
 """Where a rank writes the refusal it exits 2 with, beside the job file."""
 
 
-def _model(job: dict[str, Any], layout: ParallelLayout, cfg: Qwen3MoeConfig):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
-
-    initialize_parallel_state(layout)
-    model_parallel_cuda_manual_seed(0)  # init values are overwritten; the tracker must exist
-    return build_gpt_model(cfg, layout, torch_dist.DTYPES[job["dtype"]], spec="exact")
+def _model(job: dict[str, Any], layout: ParallelLayout, cfg: Qwen3MoeConfig, weights=None):
+    set_seed(0)  # init values are overwritten; the tracker must exist
+    return build_model(cfg, layout, torch_dist.DTYPES[job["dtype"]], weights=weights)
 
 
 def hf_to_dist(job: dict[str, Any], layout: ParallelLayout) -> None:
     ckpt = read_hf_checkpoint(job["hf"])
     dtype = torch_dist.DTYPES[job["dtype"]]
-    model = _model(job, layout, ckpt.config)
-    model.load_state_dict(hf_to_megatron(ckpt.config, ckpt.tensors, layout, dist.get_rank(), dtype),
-                          strict=True)  # fmt: skip
+    weights = hf_to_megatron(ckpt.config, ckpt.tensors, layout, dist.get_rank(), dtype)
+    model = _model(job, layout, ckpt.config, weights)
     torch_dist.save(job["out"], model, iteration=job["iteration"], cfg=ckpt.config,
                     layout=layout, dtype=dtype, source_hf=job["hf"],
                     config_json=ckpt.config_json)  # fmt: skip
@@ -85,26 +79,25 @@ MODES = {"hf-to-dist": hf_to_dist, "dist-to-hf": dist_to_hf, "reshard": reshard}
 def _import() -> None:
     global torch, dist, torch_dist, CheckpointError, read_hf_checkpoint, write_hf_checkpoint
     global hf_to_megatron, megatron_to_hf, ContractError, ParallelLayout, Qwen3MoeConfig
+    global build_model, init_parallel, set_seed
     import torch
     import torch.distributed as dist
 
     from onpolicy.checkpoint import torch_dist
-    from onpolicy.checkpoint.hf import CheckpointError, read_hf_checkpoint, write_hf_checkpoint
-    from onpolicy.checkpoint.hf_megatron import hf_to_megatron, megatron_to_hf
+    from onpolicy.checkpoint.hf import write_hf_checkpoint
     from onpolicy.contract.errors import ContractError
     from onpolicy.layout import ParallelLayout
+    from onpolicy.models.hf_layout import CheckpointError, read_hf_checkpoint
     from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+    from onpolicy.train.builder import build_model, init_parallel, set_seed
+    from onpolicy.train.hf_megatron import hf_to_megatron, megatron_to_hf
 
 
 def main(job_file: str) -> int:
     _import()
     job = json.loads(Path(job_file).read_text())
-    dist.init_process_group("gloo")
     layout = ParallelLayout(**job["layout"])
-    if dist.get_world_size() != layout.world:
-        raise RuntimeError(
-            f"convert: {dist.get_world_size()} ranks, the layout needs {layout.world}"
-        )
+    init_parallel(layout)
     try:
         MODES[job["mode"]](job, layout)
     except (CheckpointError, ContractError) as e:

@@ -34,9 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onpolicy.checkpoint.hf import CheckpointError, fsync_path
+from onpolicy.fsutil import fsync_path, write_atomic, write_synced
 from onpolicy.layout import ParallelLayout
+from onpolicy.models.hf_layout import CheckpointError
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.megatron_model import unwrap
 
 FORMAT_VERSION = 1
 """Version of the manifest's schema; a checkpoint of another version is refused."""
@@ -92,10 +94,9 @@ def layout_dict(layout: ParallelLayout) -> dict[str, Any]:
 
 
 def layout_name(degrees: dict[str, Any]) -> str:
-    """world8-tp2-pp2-ep2-etp1-sp, as the parity pairs spell layouts."""
-    parts = [f"world{degrees['world']}"]
-    parts += [f"{k}{degrees[k]}" for k in ("tp", "pp", "ep", "etp")]
-    return "-".join(parts + (["sp"] if degrees.get("sp") else []))
+    """A manifest's layout (`layout_dict`) by name, every degree spelled:
+    world8-tp2-pp2-ep2-etp1-sp (`ParallelLayout.name(full=True)`)."""
+    return ParallelLayout(**degrees).name(full=True)
 
 
 def expert_sub_optimizer(layout: ParallelLayout | dict[str, Any]) -> bool:
@@ -141,7 +142,7 @@ def check_layout(
                 "layout_divides_model",
                 where,
                 f"{field} = {value} does not divide over {degree} = {n} "
-                f"(layout {layout_name(layout_dict(layout))})",
+                f"(layout {layout.name(full=True)})",
                 f"choose {degree} dividing {value}",
             )
     if layout.tp > 1 and not layout.sp:
@@ -154,8 +155,9 @@ def check_layout(
         )
 
 
-def _unwrap(model: torch.nn.Module | list | tuple) -> torch.nn.Module:
-    """The GPTModel under Megatron DDP (whose own sharded_state_dict would prefix `module.`)."""
+def single_chunk(model: torch.nn.Module | list | tuple) -> torch.nn.Module:
+    """The GPTModel of the one model chunk, under its wrappers (Megatron DDP's own
+    sharded_state_dict would prefix `module.`)."""
     if isinstance(model, list | tuple):
         if len(model) != 1:
             raise refuse(
@@ -165,11 +167,7 @@ def _unwrap(model: torch.nn.Module | list | tuple) -> torch.nn.Module:
                 "save and load one chunk per rank",
             )
         model = model[0]
-    from megatron.core.distributed import DistributedDataParallel
-
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
+    return unwrap(model)
 
 
 def _optimizer_info(optimizer: Any) -> dict[str, Any]:
@@ -197,13 +195,6 @@ def _optimizer_stepped(optimizer: Any) -> bool:
     return bool(mine.item())
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _agree(error: CheckpointError | None) -> None:
     """Rank 0's verdict on every rank: raise the same CheckpointError everywhere, or go on."""
     box = [None if error is None else (error.rule, str(error.file), error.detail, error.tensor)]
@@ -226,14 +217,11 @@ def read_tracker(root: Path) -> int | None:
 
 def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Rank 0, after every rank's shards are on disk: manifest, rename, then the tracker."""
-    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     fsync_path(tmp)
     os.rename(tmp, final)
     fsync_path(final.parent)
-    tracker_tmp = final.parent / f".{TRACKER}.tmp"
-    _write_synced(tracker_tmp, f"{manifest['iteration']}\n")
-    os.replace(tracker_tmp, final.parent / TRACKER)
-    fsync_path(final.parent)
+    write_atomic(final.parent / TRACKER, f"{manifest['iteration']}\n")
 
 
 def save(
@@ -277,7 +265,7 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)  # a writer killed before the rename
             tmp.mkdir()
     _agree(error)
-    gpt = _unwrap(model)
+    gpt = single_chunk(model)
     sd: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=SHARDED_METADATA)}
     if optimizer is not None:
         sd["optimizer"] = optimizer.sharded_state_dict(
@@ -458,7 +446,7 @@ def load(
     `optimizer`) at `layout`; every rank calls it. Returns the manifest."""
     from megatron.core import dist_checkpointing
 
-    gpt = _unwrap(model)
+    gpt = single_chunk(model)
     it_dir, manifest, error = None, None, None
     if dist.get_rank() == 0:
         try:

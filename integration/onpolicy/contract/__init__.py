@@ -13,6 +13,7 @@ from onpolicy.contract.config import (
     config_from_dict,
     from_dict,
     load_config,
+    model_checkpoint,
     model_shape,
     parse_override,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "from_dict",
     "k_segments",
     "load_config",
+    "model_checkpoint",
     "model_shape",
     "parse_override",
     "plan_dict",

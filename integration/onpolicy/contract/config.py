@@ -157,6 +157,22 @@ def model_shape(model: ModelConfig) -> Qwen3MoeConfig:
         raise ContractError("model_shape", f"{where}: {e}", "fix the model's dims") from e
 
 
+def model_checkpoint(cfg: RunConfig, workdir: str | Path) -> Path:
+    """The config's HF folder, or the seeded tiny checkpoint under `workdir`, written once per
+    shape and seed."""
+    if cfg.model.hf_path:
+        return Path(cfg.model.hf_path)
+    import hashlib
+
+    from onpolicy.models.tiny import DONE, write_tiny_checkpoint
+
+    key = hashlib.sha256(repr((cfg.shape, cfg.model.seed)).encode()).hexdigest()[:12]
+    out = Path(workdir) / f"tiny-seed{cfg.model.seed}-{key}"
+    if not (out / DONE).is_file():
+        write_tiny_checkpoint(out, cfg.shape, seed=cfg.model.seed)
+    return out
+
+
 def _set_dotted(data: dict, key: str, value: object) -> None:
     *parents, leaf = key.split(".")
     for p in parents:
@@ -180,7 +196,7 @@ def parse_override(item: str) -> tuple[str, object]:
     return key.strip(), value
 
 
-LOOP_SECTIONS = ("grpo", "loss", "optimizer", "sync", "task", "run")
+LOOP_SECTIONS = ("grpo", "loss", "optimizer", "sync", "task", "data", "reward", "eval", "run")
 """Tables of a run config that only the GRPO loop reads (`onpolicy.grpo.config`, which checks
 their keys); no rule of the contract depends on them."""
 

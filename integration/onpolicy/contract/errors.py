@@ -11,4 +11,3 @@ class ContractError(ValueError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"[{rule}] {problem}\n  fix: {fix}")
-

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from onpolicy.contract.config import RunConfig
 from onpolicy.contract.errors import ContractError
-from onpolicy.kernels.rules import is_power_of_2
 from onpolicy.contract.schema import QWEN3_MOE_TRUE_ON_POLICY_V1 as V1
+from onpolicy.kernels.rules import is_power_of_2
 from onpolicy.segments import KSegments
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from onpolicy import kernels as K
-from onpolicy.models.hf_layout import load_hf_state_dict
+from onpolicy.models.hf_layout import read_hf_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 from onpolicy.segments import KSegments, current
 
@@ -125,7 +125,7 @@ class Qwen3MoeReference(nn.Module):
     ) -> Qwen3MoeReference:  # fmt: skip
         """Load an HF checkpoint folder (config.json + *.safetensors, hub tensor names)."""
         model = cls(Qwen3MoeConfig.from_hf(path), dtype, segments=segments)
-        model.load_state_dict(model._from_hf_names(load_hf_state_dict(path)))
+        model.load_state_dict(model._from_hf_names(read_hf_checkpoint(path, strict=False).tensors))
         return model
 
     @classmethod

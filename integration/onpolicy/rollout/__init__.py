@@ -8,24 +8,36 @@ any setting that would leave that path. Sampled log-probs then equal
 `onpolicy.models.reference.Qwen3MoeReference.score` bit for bit, the reference built with the
 same K segments as the engine (`onpolicy.segments`; the run's are `contract.k_segments(cfg)`).
 
-Start an exact engine (a fresh process; the environment must be set before `import sglang`):
+`engine` is the one place that starts an engine and samples from it (a fresh process; the
+environment must be set before `import sglang`):
 
-    env = os.environ | engine_env(tp=2, run_dir="runs/x",         # for the engine's process
-                                  segments=contract.k_segments(cfg))
+    env = engine_env(tp=2, run_dir="runs/x", segments=contract.k_segments(cfg),
+                     base=os.environ)                              # for the engine's process
     # in that process:
-    engine = launch_engine("path/to/hf-checkpoint", tp=2, ep=2, dtype="bfloat16")
-    out = engine.generate(input_ids=[[1, 2, 3]], return_logprob=True,
-                          sampling_params={"temperature": 0.7, "max_new_tokens": 16,
-                                           "sampling_seed": 7, "ignore_eos": True})
+    engine = launch("path/to/hf-checkpoint", tp=2, ep=2, dtype="bfloat16")
+    samples = sample(engine, RolloutRequest(prompts=[[1, 2, 3]], new_tokens=16,
+                                            temperature=0.7, seed=7))
 
-or pass `exact_engine_args(path, ...)` to `sglang.Engine` yourself. Request i's tokens are those
-of `reference.Request(rid=0, seed=sampling_seed, ...)` sampled by `reference.sample`.
+or pass `exact_engine_args(path, ...)` to `sglang.Engine` yourself. Sample i's tokens are those
+of `reference.Request(rid=0, seed=its sampling seed, ...)` sampled by `reference.sample` (the
+seed: `seeds[i]`, or `seed + i`). `host` serves
+one engine in its own process (`EngineService`, `EngineClient`); both, and the GRPO run's
+`EngineProxy`, are an `EngineHandle`: what the driver and the weight sync ask of an engine.
 """
 
-from onpolicy.rollout.launch import engine_env, exact_engine_args, launch_engine
+from onpolicy.rollout.engine import (
+    EngineHandle,
+    EngineOp,
+    RolloutRequest,
+    engine_env,
+    engine_kwargs,
+    exact_engine_args,
+    launch,
+    sample,
+)
 from onpolicy.rollout.switch import ATTENTION_BACKEND, DTYPES, TARGET, check, check_tp
 
 __all__ = [
-    "ATTENTION_BACKEND", "DTYPES", "TARGET", "check", "check_tp", "engine_env",
-    "exact_engine_args", "launch_engine",
+    "ATTENTION_BACKEND", "DTYPES", "TARGET", "EngineHandle", "EngineOp", "RolloutRequest",
+    "check", "check_tp", "engine_env", "engine_kwargs", "exact_engine_args", "launch", "sample",
 ]  # fmt: skip

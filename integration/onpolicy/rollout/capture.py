@@ -3,7 +3,7 @@
 `capture_generate(engine, request, out_dir)` (served as `EngineService.capture_generate`)
 empties the radix cache, so the prompt's prefill runs in full, switches capturing on in every
 TP rank (`Engine.collective_rpc("onpolicy_capture", path=...)`, the patched scheduler's RPC,
-which calls `switch`), generates the one sample the normal way (`parity_rollout.sample`: the
+which calls `switch`), generates the one sample the normal way (`rollout.engine.sample`: the
 prompt's prefill, then one-token decode steps, the path that produced its rollout log-probs),
 and switches capturing off, which writes each rank's rows to `out_dir/rollout-rank<r>.pt`.
 The engine must serve nothing else meanwhile: every forward in the window is recorded.
@@ -141,12 +141,12 @@ def router(layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
 
 def capture_generate(engine, request: dict, out_dir: str | Path) -> dict:
     """Generate one sample (a `RolloutRequest` dict with one prompt) with every TP rank's
-    points captured into `out_dir`; returns the sample as `parity_rollout.sample` does.
+    points captured into `out_dir`; returns the sample as `rollout.engine.sample` does.
 
     Also writes the sampled tokens' log-probs as the `logprob` point and
     `rollout-manifest.json` (the sequence, the layer count, the temperature).
     """
-    from onpolicy.parity_rollout import RolloutRequest, sample
+    from onpolicy.rollout.engine import RolloutRequest, sample
 
     req = RolloutRequest(**request)
     if len(req.prompts) != 1:

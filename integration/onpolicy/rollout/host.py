@@ -2,11 +2,12 @@
 
 The engine cannot live in the trainer's process: `Engine.shutdown()` kills every descendant of
 the process that made it, and `SGLANG_USE_CPU_ENGINE` must be set before sglang is imported.
-`python -m onpolicy.rollout.host` starts the engine, listens on 127.0.0.1 with an authkey
-(`multiprocessing.connection`), writes its address file last, and serves one client at a time:
-generate, the weight-update session and its transports, the weight report. `EngineClient` is
-the other end; a request can be sent and its reply collected later, which is how a trainer
-broadcasts while the engine receives.
+`python -m onpolicy.rollout.host` starts the engine (`onpolicy.rollout.engine.launch`), listens
+on 127.0.0.1 with an authkey (`multiprocessing.connection`), writes its address file last, and
+serves one client at a time: generate, the weight-update session and its transports, the
+weight report. `EngineClient` is the other end; a request can be sent and its reply collected
+later, which is how a trainer broadcasts while the engine receives. `EngineService` (the engine
+in this process) and `EngineClient` are both an `onpolicy.rollout.engine.EngineHandle`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
+from typing import Any
+
+from onpolicy.rollout import engine as E
+from onpolicy.rollout.engine import EngineOp, RemoteOps, RolloutRequest
 
 KEY_ENV = "ONPOLICY_HOST_KEY"
 """The authkey (hex) the host and its clients share; only the host's starter knows it."""
@@ -35,25 +40,41 @@ class EngineError(RuntimeError):
 # --- the engine's operations ---------------------------------------------------------------
 class EngineService:
     """An `sglang.Engine` started in this process and the operations a trainer or driver asks
-    of it, by name. The socket host below serves them; a Ray actor can hold one as well."""
+    of it, by name (an `EngineHandle`). The socket host below serves them; a Ray actor can hold
+    one as well. `send` runs an op at once and keeps its value (or error) for `result`."""
 
     def __init__(self, ckpt: str, *, tp: int = 1, ep: int = 1, dtype: str = "bfloat16",
-                 exact: bool = True, **engine_extra) -> None:  # fmt: skip
-        from onpolicy.parity_rollout import launch
+                 exact: bool = True, name: str = "engine", **engine_extra) -> None:  # fmt: skip
+        self.name, self.tp, self.ep = name, tp, ep
+        self.engine = E.launch(str(ckpt), tp, ep, dtype, exact=exact, **engine_extra)
+        self._done: list[tuple[str, bool, Any]] = []
 
-        self.tp, self.ep = tp, ep
-        self.engine = launch(str(ckpt), tp, ep, dtype, exact=exact, **engine_extra)
-        self.run = self.engine.loop.run_until_complete
-        self.tm = self.engine.tokenizer_manager
+    # --- the transport (in this process: an op runs when it is sent)
+    def send(self, op: EngineOp, **kw) -> None:
+        try:
+            self._done.append((op, True, getattr(self, op)(**kw)))
+        except Exception as e:  # kept for result(), as a remote engine's reply would be
+            self._done.append((op, False, e))
 
+    def result(self, timeout: float = 900.0):
+        _op, ok, value = self._done.pop(0)
+        if not ok:
+            raise value
+        return value
+
+    def call(self, op: EngineOp, timeout: float = 900.0, **kw):
+        self.send(op, **kw)
+        return self.result(timeout)
+
+    # --- the ops
     def info(self) -> dict:
         return {"tp": self.tp, "ep": self.ep, "pid": os.getpid(),
                 "weight_version": self.engine.get_model_info()["weight_version"]}  # fmt: skip
 
-    def generate(self, request: dict) -> list[dict]:
-        from onpolicy.parity_rollout import RolloutRequest, sample
-
-        return sample(self.engine, RolloutRequest(**request))
+    def generate(self, request: dict | RolloutRequest, **options) -> list[dict]:
+        """`onpolicy.rollout.engine.sample` of the request; `options`: sample's keywords."""
+        req = request if isinstance(request, RolloutRequest) else RolloutRequest(**request)
+        return E.sample(self.engine, req, **options)
 
     def begin_weight_update(self):
         return self.engine.begin_weight_update()
@@ -68,16 +89,10 @@ class EngineService:
         return self.engine.destroy_weights_update_group(group_name)
 
     def update_weights_from_distributed(self, **kw):
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        return self.run(self.tm.update_weights_from_distributed(
-            UpdateWeightsFromDistributedReqInput(**kw), None))  # fmt: skip
+        return E.update_weights_from_distributed(self.engine, **kw)
 
     def update_weights_from_tensor(self, **kw):
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
-        return self.run(self.tm.update_weights_from_tensor(
-            UpdateWeightsFromTensorReqInput(**kw), None))  # fmt: skip
+        return E.update_weights_from_tensor(self.engine, **kw)
 
     def report_weights(self) -> list[list[dict]]:
         """Every TP rank's `onpolicy.rollout.weights.report`, in rank order."""
@@ -92,6 +107,14 @@ class EngineService:
         from onpolicy.rollout.capture import capture_generate
 
         return capture_generate(self.engine, request, out_dir)
+
+    def release_memory(self) -> None:
+        """Free the engine's GPU memory (weights and KV cache) while a colocated trainer
+        trains; `resume_memory` takes it back before the weight sync."""
+        self.engine.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory_occupation()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -173,14 +196,12 @@ class EngineHost:
         """Start a host for an engine on `ckpt`; `wait()` for it to serve. `key`: the authkey
         (hex) to share with this host's clients; a fresh one by default. `engine_args`: further
         `exact_engine_args` keywords (JSON-safe), e.g. {"return_routed_experts": True}."""
-        from onpolicy.parity_rollout import engine_env
-
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
         addr, log = work / f"{name}.address.json", work / f"{name}.log"
         addr.unlink(missing_ok=True)
         key = key or secrets.token_hex(16)
-        env = engine_env(tp, work / "cache", clean_env())
+        env = E.engine_env(tp, work / "cache", base=clean_env())
         env[KEY_ENV] = key
         cmd = [sys.executable, "-m", "onpolicy.rollout.host", "--ckpt", str(ckpt), "--tp", str(tp),
                "--ep", str(ep), "--dtype", dtype, "--address-file", str(addr),
@@ -227,8 +248,8 @@ class EngineHost:
 
 # --- the client -----------------------------------------------------------------------------
 @dataclass
-class EngineClient:
-    """A connection to one engine host."""
+class EngineClient(RemoteOps):
+    """A connection to one engine host (an `EngineHandle`: every named op is a `call`)."""
 
     name: str
     """A label for messages (e.g. "engine 1")."""
@@ -288,6 +309,11 @@ class EngineClient:
     def _died(self, op: str) -> EngineError:
         where = f"; see {self.log}:\n{_tail(self.log)}" if self.log else ""
         return EngineError(f"{self.name}: the engine process died during {op}{where}")
+
+    def shutdown(self) -> None:
+        """Shut the engine down (the host then exits) and disconnect."""
+        self.call("shutdown")
+        self.close()
 
     def close(self) -> None:
         """Disconnect; the host serves the next client."""

@@ -9,7 +9,7 @@ token is sampled but never run, so rows = len(prompt) + len(output) - 1. On the 
 `onpolicy.rollout.moe` feeds that capturer the ids `kernels.moe_route` chose.
 
 `encode` / `decode` carry such a tensor through JSON (the `"routed_experts"` field of
-`onpolicy.parity_rollout.sample`): {"shape": [rows, layers, top_k], "int32_b64": base64 of the
+`onpolicy.rollout.engine.sample`): {"shape": [rows, layers, top_k], "int32_b64": base64 of the
 little-endian int32 bytes}, 4 bytes an id before base64's 4/3.
 """
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from onpolicy.contract.errors import ContractError
-from onpolicy.kernels.rules import is_power_of_2
 from onpolicy.contract.rules import SGLANG_CPU_MOE_PADDING as CPU_MOE_PADDING
+from onpolicy.kernels.rules import is_power_of_2
 from onpolicy.segments import ENV, KSegments
 
 TARGET = "onpolicy"

@@ -24,15 +24,10 @@ import torch
 import torch.distributed as dist
 
 from onpolicy.capture import Recorder
+from onpolicy.train.megatron_model import unwrap
 
 FEATURE_SHARDED = ("attention", "logits")
 """Points whose features (heads, vocab) are split over TP on the trainer."""
-
-
-def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(m, "module"):  # DDP, Float16Module
-        m = m.module
-    return m
 
 
 class _Hooks:
@@ -104,7 +99,7 @@ def capture_logprobs(model, sequence: Sequence[int], temperature: float,
 
     from onpolicy.train.logprobs import logprobs
 
-    models = [_unwrap(m) for m in (model if isinstance(model, list | tuple) else [model])]
+    models = [unwrap(m) for m in (model if isinstance(model, list | tuple) else [model])]
     n, tp = len(sequence), ps.get_tensor_model_parallel_world_size()
     if ps.get_data_parallel_rank() == 0:  # as logprobs packs it: the sequence, then padding
         positions = torch.cat([torch.arange(n), torch.full((-n % tp,), -1)])

@@ -4,7 +4,8 @@ The model uses the exact layer spec (`onpolicy.train.spec`, every numeric module
 `onpolicy.kernels` and `onpolicy.collectives`) or megatron-core's local (non-Transformer-Engine)
 spec; both run on CPU with gloo as well as on CUDA. Parallelism is
 the run's `ParallelLayout`; `initialize_parallel_state` sets megatron-core's groups from it and
-checks that every rank sits where the layout says.
+checks that every rank sits where the layout says. `unwrap` finds the GPTModel under the
+training wrappers. `onpolicy.train.builder` puts these together for every trainer.
 """
 
 from __future__ import annotations
@@ -132,3 +133,11 @@ def initialize_parallel_state(layout: ParallelLayout) -> None:
         expert_tensor_parallel_size=layout.etp,
     )
     layout.check_parallel_state()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under its wrappers (Megatron DDP, Float16Module: each holds it as `.module`);
+    the model itself when unwrapped."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

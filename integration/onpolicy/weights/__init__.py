@@ -1,7 +1,8 @@
 """Weight sync from Megatron (any TP/PP/EP/ETP) to N SGLang engines, checked after every sync.
 
 `names` plans where each tensor lives and what HF calls it; `gather` streams full HF tensors to
-global rank 0; `sync` sends them in buckets over a transport and checks what the engines hold.
+global rank 0; `sync` sends them in buckets over a transport to the engines (each an
+`onpolicy.rollout.engine.EngineHandle`) and checks what they hold.
 """
 
 from onpolicy.weights.gather import Gatherer

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from onpolicy.checkpoint.hf_megatron import hf_tensors_of
 from onpolicy.layout import ParallelLayout
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.hf_megatron import hf_tensors_of
+from onpolicy.train.megatron_model import unwrap
 from onpolicy.weights.names import Item, group_ranks, sync_items
 
 
@@ -33,10 +34,7 @@ def _join(item: Item, shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    inner = model
-    while hasattr(inner, "module"):  # Megatron DDP / Float16Module wrappers
-        inner = inner.module
-    return {n: p.detach() for n, p in inner.named_parameters()}
+    return {n: p.detach() for n, p in unwrap(model).named_parameters()}
 
 
 def _groups(items: list[Item], layout: ParallelLayout) -> dict[tuple[int, ...], object]:

@@ -22,7 +22,7 @@ class Item:
     local: str
     """Its name on the owning ranks (local layer and expert ids)."""
     base: str
-    """The name without ids, as `onpolicy.checkpoint.hf_megatron.hf_tensors_of` takes it."""
+    """The name without ids, as `onpolicy.train.hf_megatron.hf_tensors_of` takes it."""
     layer: int | None
     """Global layer id (the PP offset applied), None for the embedding, final norm and head."""
     expert: int | None
@@ -103,8 +103,8 @@ def group_ranks(item: Item, layout: ParallelLayout) -> list[int]:
 def hf_names_by_rank(cfg: Qwen3MoeConfig, layout: ParallelLayout) -> dict[int, list[tuple]]:
     """{sending rank: [(local Megatron name, HF names...)]}: what each group's first rank
     sends, named both ways (the test of the offsets)."""
-    from onpolicy.checkpoint.hf_megatron import hf_tensors_of
     from onpolicy.models.hf_layout import hf_tensor_shapes
+    from onpolicy.train.hf_megatron import hf_tensors_of
 
     shapes = hf_tensor_shapes(cfg)
     out: dict[int, list[tuple]] = {}

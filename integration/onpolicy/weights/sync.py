@@ -1,9 +1,12 @@
 """Megatron -> N SGLang engines: full HF tensors in buckets, a new weight version, then checked.
 
 Collective over the trainer ranks (they take part in the gathers); only global rank 0 talks to
-engines. A sync is one SGLang weight-update session per engine (begin, buckets, end). Buckets
-hold whole tensors up to `bucket_bytes` (a larger tensor goes alone); the last one flushes the
-engines' caches and sets the version. Transports:
+engines, each an `onpolicy.rollout.engine.EngineHandle` (a host's client, a rollout actor's
+proxy): an op is sent to every engine first and collected after rank 0's own part (joining the
+group, broadcasting the bucket), so the engines receive while rank 0 sends. A sync is one
+weight-update session per engine (begin, buckets, end). Buckets hold whole tensors up to
+`bucket_bytes` (a larger tensor goes alone); the last one flushes the engines' caches and sets
+the version. Transports:
 - "distributed": one process group of trainer rank 0 plus every engine's TP ranks (gloo on
   CPU, NCCL on GPU); one broadcast per tensor reaches all engines, each rank keeping its shard
   or its own experts (SGLang's weight loaders slice the full tensor).
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from onpolicy.rollout.host import EngineClient
+from onpolicy.rollout.engine import EngineHandle, EngineOp, join_update_group, tensor_payloads
 from onpolicy.rollout.weights import PADDING, digest
 from onpolicy.weights.gather import Gatherer
 
@@ -80,7 +83,7 @@ class CheckReport:
 class WeightSync:
     """Syncs one trainer model into `engines` (given on global rank 0, empty elsewhere)."""
 
-    def __init__(self, gatherer: Gatherer, engines: list[EngineClient], config: SyncConfig):
+    def __init__(self, gatherer: Gatherer, engines: list[EngineHandle], config: SyncConfig):
         self.gatherer, self.config = gatherer, config
         self.rank = dist.get_rank()
         self.engines = engines if self.rank == 0 else []
@@ -91,8 +94,6 @@ class WeightSync:
     # --- the distributed transport's group ----------------------------------------------------
     def _connect(self) -> None:
         from datetime import timedelta
-
-        from sglang.srt.utils.common import init_custom_process_group
 
         from onpolicy.rendezvous import tcp_store
 
@@ -106,11 +107,9 @@ class WeightSync:
                    rank_offset=offset, world_size=world, group_name=c.group_name,
                    backend=c.backend)  # fmt: skip
             offset += e.tp
-        self.group = init_custom_process_group(
-            backend=c.backend, store=torch.distributed.PrefixStore(c.group_name, store),
-            world_size=world, rank=0, group_name=c.group_name,
-            timeout=timedelta(seconds=c.timeout_s),
-        )  # fmt: skip
+        self.group = join_update_group(backend=c.backend, store=store, world_size=world,
+                                       group_name=c.group_name,
+                                       timeout=timedelta(seconds=c.timeout_s))  # fmt: skip
         self._store = store
         self._all("init_weights_update_group")
 
@@ -121,7 +120,7 @@ class WeightSync:
             if isinstance(value, tuple) and len(value) == 2 and value[0] is False:
                 raise WeightSyncError(f"{e.name}: {what} refused: {value[1]}")
 
-    def _call_all(self, op: str, **kw) -> None:
+    def _call_all(self, op: EngineOp, **kw) -> None:
         for e in self.engines:
             e.send(op, **kw)
         self._all(op)
@@ -172,14 +171,12 @@ class WeightSync:
             for _, t in bucket:
                 dist.broadcast(t.contiguous(), src=0, group=self.group)
         else:
-            from sglang.srt.utils import MultiprocessingSerializer
-
-            # File-descriptor handles; the engine's ranks share our authkey (EngineClient).
+            # File-descriptor handles; the engine's ranks share our authkey (EngineClient.connect).
             shared = [(n, t.contiguous().share_memory_()) for n, t in bucket]
             for e in self.engines:
-                payloads = [MultiprocessingSerializer.serialize(shared) for _ in range(e.tp)]
-                e.send("update_weights_from_tensor", serialized_named_tensors=payloads,
-                       flush_cache=last, weight_version=version)  # fmt: skip
+                e.send("update_weights_from_tensor",
+                       serialized_named_tensors=tensor_payloads(shared, e.tp), flush_cache=last,
+                       weight_version=version)  # fmt: skip
         self._all(f"update_weights_from_{self.config.transport}")
         stats.tensors += len(bucket)
         stats.bytes += sum(t.nbytes for _, t in bucket)

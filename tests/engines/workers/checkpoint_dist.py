@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in torch_dist._unwrap(model).named_parameters()}
+    return {n: p.detach().clone() for n, p in torch_dist.single_chunk(model).named_parameters()}
 
 
 def step_record(s) -> dict:
@@ -39,15 +39,14 @@ class Run:
         self.args = args
         self.work = Path(args.work)
         self.cfg = Qwen3MoeConfig.from_hf(args.hf)
-        self.layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp,
-                                     ep=args.ep, sp=args.sp)  # fmt: skip
-        initialize_parallel_state(self.layout)
+        self.layout = ParallelLayout.from_args(args)
+        init_parallel(self.layout)
         self.seqs = json.loads(Path(args.sequences).read_text())
         self.rank = dist.get_rank()
 
-    def model(self, spec: str = "exact"):
-        model_parallel_cuda_manual_seed(1234)
-        return build_gpt_model(self.cfg, self.layout, DTYPE, spec=spec)
+    def model(self, spec: str = "exact", weights: dict | None = None):
+        set_seed()
+        return build_model(self.cfg, self.layout, DTYPE, spec=spec, weights=weights)
 
     def load(self, path, model, optimizer=None) -> dict:
         return torch_dist.load(path, model, optimizer=optimizer, cfg=self.cfg, layout=self.layout)
@@ -156,9 +155,8 @@ class Run:
         return rec, {}
 
     def kill(self) -> tuple[dict, dict]:
-        model = self.model("exact")
-        hf = load_hf_state_dict(self.args.hf)
-        model.load_state_dict(hf_to_megatron(self.cfg, hf, self.layout, self.rank, DTYPE))
+        hf = read_hf_checkpoint(self.args.hf, strict=False).tensors
+        model = self.model("exact", hf_to_megatron(self.cfg, hf, self.layout, self.rank, DTYPE))
         root = self.work / "kill"
         self.save(root, model, 1)
         torch.save({"params": params(model)}, self.work / "kill.pt")
@@ -176,7 +174,6 @@ class Run:
 
 
 def main(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
     run = Run(args)
     if run.rank == 0:
         import megatron.core
@@ -202,15 +199,13 @@ if __name__ == "__main__":
     from engines.workers.megatron_exact import stock_logprobs
     from engines.workers.megatron_train import LOSS, MICRO_BATCH_TOKENS, global_batch, scored
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from onpolicy.checkpoint import torch_dist
-    from onpolicy.checkpoint.hf import CheckpointError
-    from onpolicy.checkpoint.hf_megatron import hf_to_megatron, megatron_to_hf
     from onpolicy.layout import ParallelLayout
-    from onpolicy.models.hf_layout import load_hf_state_dict
+    from onpolicy.models.hf_layout import CheckpointError, read_hf_checkpoint
     from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+    from onpolicy.train.builder import build_model, init_parallel, set_seed
+    from onpolicy.train.hf_megatron import hf_to_megatron, megatron_to_hf
     from onpolicy.train.logprobs import logprobs
-    from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
     from onpolicy.train.step import (
         OptimizerSettings,
         policy_micro_batches,
@@ -228,8 +223,5 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="", help="the model-only torch-dist root")
     ap.add_argument("--work", required=True, help="checkpoint roots and records")
     ap.add_argument("--sequences", required=True, help="JSON list of token-id lists")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
+    ParallelLayout.add_arguments(ap)
     main(ap.parse_args())

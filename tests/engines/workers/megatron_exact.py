@@ -1,7 +1,7 @@
 """One torchrun job: Megatron's per-token log-probs at one layout, exact spec and stock spec.
 
 For bf16 and fp32, it loads the HF checkpoint into this rank's shard of:
-- the exact spec (`build_gpt_model(spec="exact")`), scored by `onpolicy.train.logprobs.logprobs`
+- the exact spec (`build_model(spec="exact")`), scored by `onpolicy.train.logprobs.logprobs`
   (packed THD micro-batches through `forward_only`, the vocab-parallel exact log-softmax);
 - the stock local spec (the control), one sequence per micro-batch (its core attention cannot
   run THD), through the same schedule; from the same logits it keeps Megatron's own log-probs
@@ -22,13 +22,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from onpolicy.checkpoint.hf_megatron import hf_to_megatron
 from onpolicy.layout import ParallelLayout
-from onpolicy.models.hf_layout import load_hf_state_dict
+from onpolicy.models.hf_layout import read_hf_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.builder import build_model, init_parallel, set_seed
+from onpolicy.train.hf_megatron import hf_to_megatron
 from onpolicy.train.logprobs import logprobs, token_logprobs
-from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -89,26 +88,22 @@ def logprob_grad_error(vocab: int, temperature: float) -> float:
 
 
 def run(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
-    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
-                            etp=args.etp, sp=args.sp)  # fmt: skip
-    initialize_parallel_state(layout)
-    model_parallel_cuda_manual_seed(1234)
+    layout = ParallelLayout.from_args(args)
+    init_parallel(layout)
+    set_seed()
     if dist.get_rank() == 0:
         import megatron.core
 
         print(f"megatron.core from {megatron.core.__file__}", flush=True)
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
-    hf = load_hf_state_dict(args.ckpt)
+    hf = read_hf_checkpoint(args.ckpt, strict=False).tensors
     seqs = json.loads(Path(args.sequences).read_text())
     result: dict[str, dict[str, list]] = {}
     for name, dtype in DTYPES.items():
         weights = hf_to_megatron(cfg, hf, layout, dist.get_rank(), dtype)
-        exact = build_gpt_model(cfg, layout, dtype, spec="exact")
-        exact.load_state_dict(weights, strict=True)
+        exact = build_model(cfg, layout, dtype, spec="exact", weights=weights)
         values = logprobs(exact, seqs, args.temperature, micro_batch_tokens=args.mb_tokens)
-        stock = build_gpt_model(cfg, layout, dtype, spec="local")
-        stock.load_state_dict(weights, strict=True)
+        stock = build_model(cfg, layout, dtype, spec="local", weights=weights)
         control = stock_logprobs(stock, seqs, args.temperature)
         if dist.get_rank() == 0:
             result[name] = {"exact": values, **control}
@@ -129,9 +124,5 @@ if __name__ == "__main__":
     ap.add_argument("--sequences", required=True, help="JSON list of token-id lists")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--mb-tokens", type=int, default=64, help="token budget per micro-batch")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
+    ParallelLayout.add_arguments(ap)
     run(ap.parse_args())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 from functools import partial
 from pathlib import Path
 
@@ -22,12 +21,11 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from onpolicy.checkpoint.hf_megatron import hf_to_megatron
 from onpolicy.layout import ParallelLayout
-from onpolicy.models.hf_layout import load_hf_state_dict
+from onpolicy.models.hf_layout import read_hf_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
-from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
+from onpolicy.train.builder import build_model, init_parallel, set_seed
+from onpolicy.train.hf_megatron import hf_to_megatron
 
 MICRO_BATCHES, MICRO_BATCH, SEQ = 2, 2, 16
 
@@ -80,19 +78,15 @@ def forward_step(data_iterator, model, with_labels: bool):
 
 def run(args: argparse.Namespace) -> None:
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
-                            sp=args.sp)  # fmt: skip
-    initialize_parallel_state(layout)
-    model_parallel_cuda_manual_seed(1234)
+    layout = ParallelLayout.from_args(args)
+    init_parallel(layout, device=args.device)
+    set_seed()
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
-    model = build_gpt_model(cfg, layout, spec="local")
+    model = build_model(cfg, layout, spec="local")  # no weights yet: the seeded init is checked
     assert_replicas_identical(model)
 
-    weights = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), layout, dist.get_rank(),
-                             torch.float32)  # fmt: skip
+    weights = hf_to_megatron(cfg, read_hf_checkpoint(args.ckpt, strict=False).tensors, layout,
+                             dist.get_rank(), torch.float32)  # fmt: skip
     model.load_state_dict(weights, strict=True)
     data = batches(cfg.vocab_size)
     if cuda:
@@ -151,10 +145,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
+    ParallelLayout.add_arguments(ap)
     ap.add_argument("--distopt", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -21,14 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from onpolicy.checkpoint.hf_megatron import hf_to_megatron
 from onpolicy.layout import ParallelLayout
-from onpolicy.models.hf_layout import load_hf_state_dict
+from onpolicy.models.hf_layout import read_hf_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+from onpolicy.train.builder import build_model, init_parallel, set_seed
+from onpolicy.train.hf_megatron import hf_to_megatron
 from onpolicy.train.logprobs import logprobs
 from onpolicy.train.loss import PPOClipConfig
-from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
 from onpolicy.train.step import (
     OptimizerSettings,
     forward_backward,
@@ -80,10 +79,9 @@ def scored(chunks, batch: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
 def one_run(args, layout: ParallelLayout, cfg: Qwen3MoeConfig, hf: dict, dtype_name: str,
             seed: int) -> dict:  # fmt: skip
     dtype = DTYPES[dtype_name]
-    model_parallel_cuda_manual_seed(1234)
-    model = build_gpt_model(cfg, layout, dtype, spec="exact")
     rank = dist.get_rank()
-    model.load_state_dict(hf_to_megatron(cfg, hf, layout, rank, dtype), strict=True)
+    set_seed()
+    model = build_model(cfg, layout, dtype, weights=hf_to_megatron(cfg, hf, layout, rank, dtype))
     settings = OptimizerSettings(lr=args.lr, distributed_optimizer=args.distopt, clip_grad=1.0)
     chunks, optimizer = setup_training(model, settings)
     batch = global_batch(cfg.vocab_size, seed)
@@ -114,12 +112,10 @@ def one_run(args, layout: ParallelLayout, cfg: Qwen3MoeConfig, hf: dict, dtype_n
 
 
 def main(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
-    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
-                            sp=args.sp)  # fmt: skip
-    initialize_parallel_state(layout)
+    layout = ParallelLayout.from_args(args)
+    init_parallel(layout)
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
-    hf = load_hf_state_dict(args.ckpt)
+    hf = read_hf_checkpoint(args.ckpt, strict=False).tensors
     if dist.get_rank() == 0:
         import megatron.core
 
@@ -141,10 +137,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True)
     ap.add_argument("--mode", choices=["grad", "train"], required=True)
     ap.add_argument("--runs", nargs="+", default=["fp32:0"], help="DTYPE:SEED, one run each")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
+    ParallelLayout.add_arguments(ap)
     ap.add_argument("--distopt", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -30,10 +30,10 @@ def trainer(args: argparse.Namespace) -> None:
     from datetime import timedelta
 
     import torch
-    from onpolicy.models.hf_layout import load_hf_state_dict
+    from onpolicy.models.hf_layout import read_hf_checkpoint
     from sglang.srt.utils.common import init_custom_process_group
 
-    sd = load_hf_state_dict(args.ckpt)
+    sd = read_hf_checkpoint(args.ckpt, strict=False).tensors
     # Rank 0 hosts the rendezvous store on a port the OS picks, and says which.
     store = torch.distributed.TCPStore(
         "127.0.0.1", 0, args.world, is_master=True, timeout=timedelta(seconds=900),
@@ -58,12 +58,12 @@ def trainer_log(args: argparse.Namespace) -> Path:
 
 
 def engine_phases(args: argparse.Namespace) -> list[dict]:
-    from onpolicy.models.hf_layout import load_hf_state_dict
-    from onpolicy.parity_rollout import RolloutRequest
+    from onpolicy.models.hf_layout import read_hf_checkpoint
+    from onpolicy.rollout.engine import RolloutRequest
 
     req = RolloutRequest(prompts=json.loads(args.prompts), new_tokens=args.new_tokens,
                          temperature=args.temperature)  # fmt: skip
-    dist_sd = load_hf_state_dict(args.distributed_ckpt)
+    dist_sd = read_hf_checkpoint(args.distributed_ckpt, strict=False).tensors
     # Started first, so its imports overlap the engine's start; it then waits at the group's
     # rendezvous until the engine joins in the `distributed` phase.
     trainer_proc = subprocess.Popen([
@@ -79,8 +79,8 @@ def engine_phases(args: argparse.Namespace) -> list[dict]:
 
 
 def run_phases(args, req, dist_sd: dict, trainer_proc: subprocess.Popen) -> list:
-    from onpolicy.models.hf_layout import load_hf_state_dict
-    from onpolicy.parity_rollout import launch, sample
+    from onpolicy.models.hf_layout import read_hf_checkpoint
+    from onpolicy.rollout.engine import launch, sample
     from sglang.srt.managers.io_struct import (
         UpdateWeightsFromDistributedReqInput,
         UpdateWeightsFromTensorReqInput,
@@ -97,7 +97,7 @@ def run_phases(args, req, dist_sd: dict, trainer_proc: subprocess.Popen) -> list
     try:
         record("initial")
 
-        tensor_sd = load_hf_state_dict(args.tensor_ckpt)
+        tensor_sd = read_hf_checkpoint(args.tensor_ckpt, strict=False).tensors
         ok, msg = engine.update_weights_from_tensor(list(tensor_sd.items()))
         record("outside_session", success=ok, message=msg)
 

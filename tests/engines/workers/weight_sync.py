@@ -22,17 +22,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from onpolicy.layout import ParallelLayout
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True, help="the trainer's HF checkpoint")
     ap.add_argument("--engines", required=True, help="JSON [{name, address_file}]")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
+    ParallelLayout.add_arguments(ap)
     ap.add_argument("--transport", default="distributed")
     ap.add_argument("--bucket-bytes", type=int, default=1 << 16)
     ap.add_argument("--prompts", default="[[1, 2, 3, 4], [10, 20, 30], [500, 600, 700, 800, 900]]")
@@ -42,28 +39,23 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from onpolicy.bits import as_bits
-    from onpolicy.checkpoint.hf_megatron import hf_to_megatron
-    from onpolicy.layout import ParallelLayout
-    from onpolicy.models.hf_layout import load_hf_state_dict
+    from onpolicy.models.hf_layout import read_hf_checkpoint
     from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
     from onpolicy.rollout.host import KEY_ENV, EngineClient
+    from onpolicy.train.builder import build_model, init_parallel, set_seed
+    from onpolicy.train.hf_megatron import hf_to_megatron
     from onpolicy.train.logprobs import logprobs
-    from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
     from onpolicy.weights import Gatherer, SyncConfig, WeightSync, WeightSyncError
 
-    dist.init_process_group("gloo")
+    layout = ParallelLayout.from_args(args)
+    init_parallel(layout)
     rank = dist.get_rank()
-    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
-                            etp=args.etp, sp=args.sp)  # fmt: skip
-    initialize_parallel_state(layout)
-    model_parallel_cuda_manual_seed(1234)
+    set_seed()
     cfg = Qwen3MoeConfig.from_hf(args.ckpt)
-    model = build_gpt_model(cfg, layout, torch.bfloat16, spec="exact")
-    hf = load_hf_state_dict(args.ckpt)
-    model.load_state_dict(hf_to_megatron(cfg, hf, layout, rank, torch.bfloat16), strict=True)
-    model.eval()
+    hf = read_hf_checkpoint(args.ckpt, strict=False).tensors  # also the tampered weight's source
+    weights = hf_to_megatron(cfg, hf, layout, rank, torch.bfloat16)
+    model = build_model(cfg, layout, torch.bfloat16, spec="exact", weights=weights).eval()
 
     engines = []
     if rank == 0:

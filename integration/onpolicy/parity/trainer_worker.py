@@ -1,10 +1,10 @@
 """The trainer side of `onpolicy parity`: Megatron scores the rollout's sequences (torchrun).
 
-`python -m torch.distributed.run --nproc-per-node=W -m onpolicy.parity_worker --ckpt DIR
---samples FILE --out DIR --tp .. --pp .. --ep .. --etp .. [--sp] [--stock]`. Every rank builds
-its shard of the model at that layout from the HF checkpoint and scores prompt + completion of
-every sample: the exact spec through `onpolicy.train.logprobs.logprobs` (packed THD
-micro-batches, each DP replica its share), or with `--stock` Megatron's local spec (one
+`python -m torch.distributed.run --nproc-per-node=W -m onpolicy.parity.trainer_worker
+--ckpt DIR --samples FILE --out DIR --tp .. --pp .. --ep .. --etp .. [--sp] [--stock]`. Every
+rank builds its shard of the model at that layout from the HF checkpoint and scores prompt +
+completion of every sample: the exact spec through `onpolicy.train.logprobs.logprobs` (packed
+THD micro-batches, each DP replica its share), or with `--stock` Megatron's local spec (one
 sequence per micro-batch, log_softmax of the gathered logits; the negative control). Global
 rank 0 writes `scores.pt`: {sample index: fp32 log-probs of tokens 1..len-1}.
 """
@@ -18,28 +18,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from onpolicy.layout import ParallelLayout
+
 
 def score(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from onpolicy.checkpoint.hf_megatron import hf_to_megatron
-    from onpolicy.layout import ParallelLayout
-    from onpolicy.models.hf_layout import load_hf_state_dict
-    from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
+    from onpolicy.train.builder import init_parallel, load_model, set_seed
     from onpolicy.train.logprobs import logprobs
-    from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
 
-    dist.init_process_group("gloo")
-    layout = ParallelLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
-                            etp=args.etp, sp=args.sp)  # fmt: skip
-    initialize_parallel_state(layout)
-    model_parallel_cuda_manual_seed(1234)
-    cfg = Qwen3MoeConfig.from_hf(args.ckpt)
-    dtype = getattr(torch, args.dtype)
-    model = build_gpt_model(cfg, layout, dtype, spec="local" if args.stock else "exact")
-    sd = hf_to_megatron(cfg, load_hf_state_dict(args.ckpt), layout, dist.get_rank(), dtype)
-    model.load_state_dict(sd, strict=True)
+    layout = ParallelLayout.from_args(args)
+    init_parallel(layout)
+    set_seed()
+    spec = "local" if args.stock else "exact"
+    _cfg, model = load_model(args.ckpt, layout, getattr(torch, args.dtype), spec=spec)
     model.eval()
 
     samples = json.loads(Path(args.samples).read_text())["samples"]
@@ -96,17 +88,14 @@ def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | N
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="onpolicy.parity_worker", description=__doc__)
+    ap = argparse.ArgumentParser(prog="onpolicy.parity.trainer_worker", description=__doc__)
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--samples", required=True, help="the rollout's JSON (onpolicy.parity_rollout)")
+    ap.add_argument("--samples", required=True,
+                    help="the rollout's JSON (onpolicy.parity.rollout_worker)")  # fmt: skip
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
+    ParallelLayout.add_arguments(ap)
     ap.add_argument("--stock", action="store_true", help="Megatron's local spec, not the exact")
     score(ap.parse_args(argv))
 

@@ -4,23 +4,22 @@ For each layout pair (a rollout engine's TP/EP, a trainer's TP/PP/EP/ETP/SP) of 
 1. the model's HF checkpoint (the config's folder, or the seeded tiny model written once under
    the work folder);
 2. one exact SGLang engine at the rollout layout samples the prompts with per-token log-probs
-   (`onpolicy.parity_rollout`, its own process); pairs with the same rollout and the same K
-   segments (the pair's `contract.k_segments`, in both sides' ONPOLICY_K_SEGMENTS) share it;
+   (`onpolicy.parity.rollout_worker`, its own process); pairs with the same rollout and the
+   same K segments (the pair's `contract.k_segments`, in both sides' ONPOLICY_K_SEGMENTS)
+   share it;
 3. Megatron at the training layout scores prompt + completion by forward_only
-   (`onpolicy.parity_worker` under torchrun);
-4. each generated token's two fp32 log-probs are compared as bits (`onpolicy.bits`).
+   (`onpolicy.parity.trainer_worker` under torchrun);
+4. each generated token's two fp32 log-probs are compared as bits (`onpolicy.compare`).
 The table says, per pair, how many tokens are equal of how many compared; a mismatch names
 the first differing token: sample, position, token id, both values and their bits in hex.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -29,10 +28,18 @@ from pathlib import Path
 import torch
 
 import onpolicy
-from onpolicy.bits import as_bits, hex_bits
-from onpolicy.contract import ContractError, RunConfig, k_segments, load_config, resolve_plan
+from onpolicy.compare import PairResult, compare
+from onpolicy.contract import (
+    ContractError,
+    RunConfig,
+    k_segments,
+    load_config,
+    model_checkpoint,
+    resolve_plan,
+)
 from onpolicy.layout import ParallelLayout
-from onpolicy.parity_rollout import RolloutRequest, engine_env
+from onpolicy.rendezvous import free_port
+from onpolicy.rollout.engine import RolloutRequest, engine_env
 from onpolicy.segments import KSegments
 
 INTEGRATION = Path(onpolicy.__file__).resolve().parents[1]
@@ -69,68 +76,60 @@ class Pair:
 
     @property
     def training_name(self) -> str:
-        return training_name(self.training) + ("-stock" if self.training_stock else "")
+        return self.training.name() + ("-stock" if self.training_stock else "")
 
     @property
     def name(self) -> str:
         return f"{self.rollout.name}:{self.training_name}"
 
 
-def training_name(t: ParallelLayout) -> str:
-    """`world8-tp2-pp2-ep2-sp`: the world, then every degree above 1 (the `--pairs` spelling)."""
-    parts = [f"world{t.world}"] + [f"{k}{getattr(t, k)}" for k in ("tp", "pp", "ep", "etp")
-                                   if getattr(t, k) > 1]  # fmt: skip
-    return "-".join(parts + (["sp"] if t.sp else []))
-
-
-_TOKEN = re.compile(r"^(world|tp|pp|ep|etp)(\d+)$|^(sp|stock)$")
+_ROLLOUT_TOKEN = re.compile(r"^(tp|ep)(\d+)$|^(stock)$")
 
 
 def parse_pair(spec: str) -> Pair:
     """`ROLLOUT:TRAINING`, e.g. `tp2-ep2:world8-tp2-pp2-ep2-sp` or `tp1:tp2-sp`.
 
-    Rollout tokens: tp<N>, ep<N>. Training tokens: world<N> (default tp x pp), tp<N>, pp<N>,
-    ep<N>, etp<N>, sp. Unnamed degrees are 1. `stock` on either side runs that engine's stock
-    path instead of the exact one (a negative control: the pair must differ).
+    Rollout tokens: tp<N>, ep<N>. Training: a `ParallelLayout` name (world<N>, default tp x
+    pp; tp<N>, pp<N>, ep<N>, etp<N>, sp). Unnamed degrees are 1. `stock` on either side runs
+    that engine's stock path instead of the exact one (a negative control: the pair must
+    differ).
     """
     rollout, sep, training = spec.partition(":")
     if not sep or not rollout or not training:
         raise ContractError("parity_pairs", f"--pairs {spec!r} is not ROLLOUT:TRAINING",
                             "write e.g. tp2-ep2:world8-tp2-pp2-ep2-sp")  # fmt: skip
 
-    def dims(side: str, text: str, allowed: set[str]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for tok in text.split("-"):
-            m = _TOKEN.match(tok)
-            key = (m.group(1) or m.group(3)) if m else None
-            if m is None or key not in allowed or key in out:
-                raise ContractError(
-                    "parity_pairs",
-                    f"--pairs {spec!r}: {side} token {tok!r} is unknown or repeated",
-                    f"{side} tokens are {', '.join(sorted(allowed))} (<name><size>; sp, stock "
-                    "bare)",
-                )
-            out[key] = int(m.group(2)) if m.group(2) else 1
-        return out
+    def refuse(side: str, tok: str, allowed: str) -> ContractError:
+        return ContractError(
+            "parity_pairs",
+            f"--pairs {spec!r}: {side} token {tok!r} is unknown or repeated",
+            f"{side} tokens are {allowed} (<name><size>; sp, stock bare)",
+        )
 
-    r = dims("rollout", rollout, {"tp", "ep", "stock"})
+    r: dict[str, int] = {}
+    for tok in rollout.split("-"):
+        m = _ROLLOUT_TOKEN.match(tok)
+        key = (m.group(1) or m.group(3)) if m else None
+        if key is None or key in r:
+            raise refuse("rollout", tok, "ep, stock, tp")
+        r[key] = int(m.group(2)) if m.group(2) else 1
     stock = bool(r.pop("stock", 0))
-    t = dims("training", training, {"world", "tp", "pp", "ep", "etp", "sp", "stock"})
-    training_stock = bool(t.pop("stock", 0))
-    world = t.pop("world", t.get("tp", 1) * t.get("pp", 1))
-    sp = bool(t.pop("sp", 0))
-    return Pair(
-        rollout=RolloutLayout(stock=stock, **r),
-        training=ParallelLayout(world=world, sp=sp, **t),
-        training_stock=training_stock,
-    )
+    tokens = training.split("-")
+    training_stock = "stock" in tokens
+    if tokens.count("stock") > 1:
+        raise refuse("training", "stock", "the layout's and stock")
+    try:
+        layout = ParallelLayout.parse("-".join(t for t in tokens if t != "stock"))
+    except ValueError as err:
+        raise ContractError("parity_pairs", f"--pairs {spec!r}: training side: {err}",
+                            "write e.g. tp2-ep2:world8-tp2-pp2-ep2-sp") from None  # fmt: skip
+    return Pair(rollout=RolloutLayout(stock=stock, **r), training=layout,
+                training_stock=training_stock)  # fmt: skip
 
 
 def config_pair(cfg: RunConfig) -> Pair:
     """The pair a run config names: its rollout engine and its trainer."""
-    t = cfg.training
-    training = ParallelLayout(world=t.world, tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, sp=t.sp)
-    return Pair(rollout=RolloutLayout(tp=cfg.rollout.tp, ep=cfg.rollout.ep), training=training)
+    return Pair(rollout=RolloutLayout(tp=cfg.rollout.tp, ep=cfg.rollout.ep), training=cfg.training)
 
 
 def pair_overrides(pair: Pair) -> dict[str, object]:
@@ -154,93 +153,6 @@ def pair_config(path: str | os.PathLike, overrides: dict[str, object], pair: Pai
     except ContractError as e:
         raise ContractError(e.rule, f"layout pair {pair.name}: {e.problem}", e.fix) from None
     return cfg
-
-
-# --- comparing --------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Mismatch:
-    """The first generated token whose two log-probs differ in their bits."""
-
-    sample: int
-    """Index of the sample (prompt) in the rollout."""
-    position: int
-    """Position of the token in prompt + completion."""
-    completion_index: int
-    """Index of the token among the sample's generated tokens."""
-    token: int
-    """The token id."""
-    rollout: torch.Tensor
-    """The rollout engine's fp32 log-prob (a 0-d tensor, so its bits are kept)."""
-    trainer: torch.Tensor
-    """The trainer's fp32 log-prob."""
-
-    def describe(self) -> str:
-        return (
-            f"first mismatch: sample {self.sample}, position {self.position} (generated token "
-            f"{self.completion_index}), token id {self.token}: rollout "
-            f"{float(self.rollout)!r} ({hex_bits(self.rollout)}) vs trainer "
-            f"{float(self.trainer)!r} ({hex_bits(self.trainer)})"
-        )
-
-
-@dataclass(kw_only=True, slots=True)
-class PairResult:
-    """One pair's verdict."""
-
-    pair: str
-    """The pair's name (ROLLOUT:TRAINING)."""
-    compared: int
-    """Generated tokens compared."""
-    equal: int
-    """Of those, tokens whose two log-probs have the same bits."""
-    first: Mismatch | None = None
-    """The first differing token, None when all are equal."""
-
-    @property
-    def ok(self) -> bool:
-        return self.compared > 0 and self.equal == self.compared
-
-
-def compare(samples: list[dict], scores: dict[int, torch.Tensor], pair: str = "") -> PairResult:
-    """Each sample's rollout log-probs against the trainer's log-probs of the same tokens.
-
-    `samples`: the rollout's records (prompt, output_ids, logprobs); `scores`: sample index ->
-    the trainer's fp32 log-probs of tokens 1..len-1 of prompt + output.
-    """
-    compared = equal = 0
-    first = None
-    for i, s in enumerate(samples):
-        if i not in scores:
-            raise ValueError(f"{pair}: the trainer returned no scores for sample {i}")
-        n_prompt, out = len(s["prompt"]), s["output_ids"]
-        got = torch.tensor(s["logprobs"], dtype=torch.float32)
-        want = scores[i][n_prompt - 1 :]
-        if want.dtype != torch.float32 or want.shape != got.shape:
-            raise ValueError(
-                f"{pair}: sample {i}: trainer log-probs are {want.dtype} {tuple(want.shape)}, "
-                f"the rollout's float32 {tuple(got.shape)}"
-            )
-        same = as_bits(got) == as_bits(want)
-        compared += len(out)
-        equal += int(same.sum())
-        if first is None and not bool(same.all()):
-            j = int(torch.nonzero(~same)[0])
-            first = Mismatch(sample=i, position=n_prompt + j, completion_index=j, token=out[j],
-                             rollout=got[j], trainer=want[j])  # fmt: skip
-    return PairResult(pair=pair, compared=compared, equal=equal, first=first)
-
-
-def format_table(results: list[PairResult]) -> str:
-    """One row per pair: equal / compared, then each mismatch's first differing token."""
-    width = max([len("pair")] + [len(r.pair) for r in results])
-    out = [f"{'pair'.ljust(width)}  {'equal / compared':>18}  verdict"]
-    for r in results:
-        verdict = "bitwise equal" if r.ok else "DIFFER"
-        out.append(f"{r.pair.ljust(width)}  {f'{r.equal} / {r.compared}':>18}  {verdict}")
-    for r in results:
-        if r.first is not None:
-            out.append(f"{r.pair}: {r.first.describe()}")
-    return "\n".join(out)
 
 
 # --- running the two sides --------------------------------------------------------------------
@@ -268,19 +180,6 @@ class ParityRun:
     """Seed of the prompts and of the sampling."""
     timeout: float = 900
     """Seconds a worker may run before it counts as dead."""
-
-
-def checkpoint(cfg: RunConfig, workdir: Path) -> Path:
-    """The config's HF folder, or the seeded tiny checkpoint, written once per shape and seed."""
-    if cfg.model.hf_path:
-        return Path(cfg.model.hf_path)
-    from onpolicy.models.tiny import DONE, write_tiny_checkpoint
-
-    key = hashlib.sha256(repr((cfg.shape, cfg.model.seed)).encode()).hexdigest()[:12]
-    out = workdir / f"tiny-seed{cfg.model.seed}-{key}"
-    if not (out / DONE).is_file():
-        write_tiny_checkpoint(out, cfg.shape, seed=cfg.model.seed)
-    return out
 
 
 def make_prompts(cfg: RunConfig, n: int, seed: int) -> list[list[int]]:
@@ -313,12 +212,6 @@ def _run(what: str, cmd: list[str], env: dict, log: Path, timeout: float) -> Non
         raise WorkerError(f"{what} exited {p.returncode}; log: {log}\n{tail}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
             prompts: list[list[int]], folder: Path) -> list[dict]:  # fmt: skip
     """Sample every prompt on one engine at `layout` (exact, or stock for the control); the
@@ -327,7 +220,7 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
     req = RolloutRequest(prompts=prompts, new_tokens=run.new_tokens,
                          temperature=run.temperature, seed=run.seed)  # fmt: skip
     (folder / "request.json").write_text(json.dumps(asdict(req)))
-    cmd = [sys.executable, "-m", "onpolicy.parity_rollout", "--ckpt", str(ckpt),
+    cmd = [sys.executable, "-m", "onpolicy.parity.rollout_worker", "--ckpt", str(ckpt),
            "--tp", str(layout.tp), "--ep", str(layout.ep), "--dtype", cfg.model.dtype,
            "--request", str(folder / "request.json"),
            "--out", str(folder / "samples.json")]  # fmt: skip
@@ -345,12 +238,11 @@ def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "scores.pt").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={layout.world}",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-           "-m", "onpolicy.parity_worker", "--ckpt", str(ckpt), "--samples", str(samples_file),
-           "--out", str(folder), "--dtype", cfg.model.dtype, "--temperature", str(run.temperature),
-           "--tp", str(layout.tp), "--pp", str(layout.pp), "--ep", str(layout.ep),
-           "--etp", str(layout.etp)]  # fmt: skip
-    cmd += (["--sp"] if layout.sp else []) + (["--stock"] if pair.training_stock else [])
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+           "-m", "onpolicy.parity.trainer_worker", "--ckpt", str(ckpt), "--samples",
+           str(samples_file), "--out", str(folder), "--dtype", cfg.model.dtype,
+           "--temperature", str(run.temperature), *layout.cli_args()]  # fmt: skip
+    cmd += ["--stock"] if pair.training_stock else []
     env = _env(resolve_plan(cfg).training_env)
     _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
     return torch.load(folder / "scores.pt")
@@ -363,7 +255,7 @@ def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
     configs = {p: pair_config(run.config, run.overrides, p) for p in pairs}
     workdir = Path(run.workdir)
     first = configs[pairs[0]]
-    ckpt = checkpoint(first, workdir)
+    ckpt = model_checkpoint(first, workdir)
     prompts = make_prompts(first, run.prompts, run.seed)
     rollouts: dict[tuple[RolloutLayout, KSegments], tuple[Path, list[dict]]] = {}
     results = []
