@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from onpolicy.compare import logprob_metrics
 from onpolicy.contract import ContractError, load_config
 from onpolicy.grpo.config import e2e_config_from_dict, load_e2e_config
-from onpolicy.grpo.driver import logprob_metrics
 from onpolicy.grpo.e2e import format_table, main
 
 REPO = Path(__file__).resolve().parents[2]

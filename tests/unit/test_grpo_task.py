@@ -167,7 +167,8 @@ def test_vocab_refusals():
         make_task(BandConfig(), V, 499)
     with pytest.raises(ValueError, match=r"eos_token_id \(1000\) must be in \[0, vocab_size=1000"):
         make_task(BandConfig(), V, 1000)
-    with pytest.raises(ContractError, match="unknown task name 'count'; known: \\['band'\\]"):
+    known = r"unknown task name 'count'; known: \['band', 'dataset'\]"
+    with pytest.raises(ContractError, match=known):
         task_config({"name": "count"})
     with pytest.raises(ContractError, match="unknown config key 'task.bands'"):
         task_config({"name": "band", "bands": 2})

@@ -9,8 +9,8 @@ A rollout actor holds an `EngineService` (the engine in the actor's own process;
 TP x EP scheduler processes are its children, and `Engine.shutdown` or the actor's death takes
 them down). The trainer actors form one torch.distributed world (gloo on CPU, NCCL on GPU)
 with megatron-core's groups for the layout; rank 0 also talks to the engines for the weight
-sync, through `EngineProxy`, which gives `WeightSync` the send/result interface of an engine
-client over Ray calls.
+sync, through `EngineProxy`: a rollout actor as an `onpolicy.rollout.engine.EngineHandle`
+(the send/result transport and the named ops) over Ray calls.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from onpolicy.layout import ParallelLayout
+from onpolicy.rollout.engine import EngineOp, RemoteOps
 
 
 # --- the rollout side -------------------------------------------------------------------------
@@ -82,7 +85,7 @@ class RolloutActor:
         if s.device == "cuda":
             extra["base_gpu_id"] = s.base_gpu_id
         self.service = EngineService(s.ckpt, tp=s.tp, ep=s.ep, dtype=s.dtype, exact=s.exact,
-                                     **extra)  # fmt: skip
+                                     name=self.name, **extra)  # fmt: skip
         return self.service.info() | {"name": self.name}
 
     def call(self, op: str, kw: dict) -> Any:
@@ -90,40 +93,31 @@ class RolloutActor:
         return getattr(self.service, op)(**kw)
 
     def generate(self, prompts: list[list[int]], seeds: list[int], *, temperature: float,
-                 max_new_tokens: int, ignore_eos: bool) -> list[dict]:  # fmt: skip
+                 max_new_tokens: int, ignore_eos: bool,
+                 stop_token_ids: list[int] | None = None) -> list[dict]:  # fmt: skip
         """Sample every prompt once, sample i with `seeds[i]`: output ids, fp32 log-probs (as
-        Python floats, which is exact), routed expert ids and the weight version."""
-        params = [{"temperature": temperature, "max_new_tokens": max_new_tokens,
-                   "ignore_eos": ignore_eos, "sampling_seed": seed} for seed in seeds]  # fmt: skip
-        kwargs: dict[str, Any] = {"return_routed_experts": True} if self.spec.routes else {}
-        outs = self.service.engine.generate(input_ids=prompts, sampling_params=params,
-                                            return_logprob=True, **kwargs)  # fmt: skip
-        from onpolicy.rollout.routing import routed_experts
+        Python floats, which is exact), the weight version, the finish reason and (with
+        `spec.routes`) routed expert ids, int32 [len(prompt) + len(output) - 1, layers, top_k].
+        A sample ends at max_new_tokens, or (unless `ignore_eos`) at the model's EOS or one of
+        `stop_token_ids`."""
+        from onpolicy.rollout.engine import RolloutRequest
 
-        samples = []
-        for prompt, out in zip(prompts, outs, strict=True):
-            meta = out["meta_info"]
-            lps = meta["output_token_logprobs"]
-            ids = [t for _lp, t, _txt in lps]
-            if ids != out["output_ids"] or not ids:
-                raise RuntimeError(f"{self.name}: {len(out['output_ids'])} output ids with "
-                                   f"{len(ids)} log-probs for prompt {prompt}")  # fmt: skip
-            sample = {"output_ids": ids, "logprobs": [lp for lp, _t, _x in lps],
-                      "weight_version": meta.get("weight_version"),
-                      "finish": (meta.get("finish_reason") or {}).get("type")}  # fmt: skip
-            if self.spec.routes:  # int32 [len(prompt) + len(output) - 1, layers, top_k]
-                sample["routed_experts"] = routed_experts(meta, self.spec.num_layers,
-                                                          self.spec.top_k)  # fmt: skip
-            samples.append(sample)
-        return samples
+        s = self.spec
+        req = RolloutRequest(prompts=prompts, new_tokens=max_new_tokens, temperature=temperature,
+                             seeds=list(seeds), ignore_eos=ignore_eos,
+                             stop_token_ids=stop_token_ids,
+                             return_routed_experts=s.routes)  # fmt: skip
+        samples = self.service.generate(req, shape=(s.num_layers, s.top_k), tensors=True,
+                                        finish=True)  # fmt: skip
+        return [{k: v for k, v in x.items() if k != "prompt"} for x in samples]
 
     def release_memory(self) -> None:
         """Free the engine's GPU memory (weights and KV cache) while the colocated trainer
         trains; `resume_memory` takes it back before the weight sync."""
-        self.service.engine.release_memory_occupation()
+        self.service.release_memory()
 
     def resume_memory(self) -> None:
-        self.service.engine.resume_memory_occupation()
+        self.service.resume_memory()
 
     def shutdown(self) -> None:
         if self.service is not None:
@@ -131,14 +125,15 @@ class RolloutActor:
             self.service = None
 
 
-class EngineProxy:
-    """A rollout actor as `WeightSync` sees an engine: `send` now, `result` later, `call`."""
+class EngineProxy(RemoteOps):
+    """A rollout actor as an `EngineHandle` (what `WeightSync` is given): `send` now, `result`
+    later, `call`, and the named ops as calls."""
 
     def __init__(self, name: str, tp: int, ep: int, handle: Any) -> None:
         self.name, self.tp, self.ep, self.handle = name, tp, ep, handle
         self.pending: list[tuple[str, Any]] = []
 
-    def send(self, op: str, **kw) -> None:
+    def send(self, op: EngineOp, **kw) -> None:
         self.pending.append((op, self.handle.call.remote(op, kw)))
 
     def result(self, timeout: float = 900.0) -> Any:
@@ -150,9 +145,15 @@ class EngineProxy:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"{self.name}: no reply to {op} within {timeout:.0f} s") from None
 
-    def call(self, op: str, timeout: float = 900.0, **kw) -> Any:
+    def call(self, op: EngineOp, timeout: float = 900.0, **kw) -> Any:
         self.send(op, **kw)
         return self.result(timeout)
+
+    def shutdown(self) -> None:
+        """The actor's own shutdown (it drops its service), not the service's op."""
+        import ray
+
+        ray.get(self.handle.shutdown.remote(), timeout=900.0)
 
 
 # --- the trainer side -------------------------------------------------------------------------
@@ -160,13 +161,8 @@ class EngineProxy:
 class TrainerSpec:
     """What every trainer rank builds."""
 
-    world: int
-    """Trainer ranks."""
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    sp: bool
+    layout: ParallelLayout
+    """The trainer's layout (the run config's [training], passed whole)."""
     dtype: str
     """Parameter dtype."""
     device: str
@@ -202,39 +198,30 @@ class TrainerActor:
 
     def setup(self) -> dict:
         """Join the process group, build the model at the layout, load it, wrap it for training."""
-        import torch.distributed as dist
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
         from onpolicy.checkpoint import torch_dist
-        from onpolicy.checkpoint.hf_megatron import hf_to_megatron
-        from onpolicy.layout import ParallelLayout
-        from onpolicy.models.hf_layout import load_hf_state_dict
+        from onpolicy.models.hf_layout import read_hf_checkpoint
         from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
         from onpolicy.rendezvous import tcp_store
-        from onpolicy.train.megatron_model import build_gpt_model, initialize_parallel_state
+        from onpolicy.train.builder import build_model, init_parallel, set_seed
+        from onpolicy.train.hf_megatron import hf_to_megatron
         from onpolicy.train.step import setup_training
 
         s = self.spec
         t0 = time.perf_counter()
         if s.authkey:
             multiprocessing.current_process().authkey = bytes.fromhex(s.authkey)
-        if s.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        store = tcp_store(s.master_addr, s.master_port, s.world, is_master=self.rank == 0)
-        dist.init_process_group("nccl" if s.device == "cuda" else "gloo", store=store,
-                                rank=self.rank, world_size=s.world)  # fmt: skip
-        self.layout = ParallelLayout(world=s.world, tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp, sp=s.sp)
-        initialize_parallel_state(self.layout)
-        model_parallel_cuda_manual_seed(1234)
+        self.layout = s.layout
+        store = tcp_store(s.master_addr, s.master_port, s.layout.world, is_master=self.rank == 0)
+        init_parallel(s.layout, device=s.device, store=store, rank=self.rank)
+        set_seed()
         self.cfg = Qwen3MoeConfig.from_hf(s.ckpt)
         self.dtype = getattr(torch, s.dtype)
-        hf = load_hf_state_dict(s.ckpt)
+        hf = read_hf_checkpoint(s.ckpt, strict=False).tensors
 
         def built():
-            model = build_gpt_model(self.cfg, self.layout, self.dtype, spec="exact")
-            model.load_state_dict(hf_to_megatron(self.cfg, hf, self.layout, self.rank,
-                                                 self.dtype), strict=True)  # fmt: skip
-            return model.cuda() if s.device == "cuda" else model
+            weights = hf_to_megatron(self.cfg, hf, self.layout, self.rank, self.dtype)
+            return build_model(self.cfg, self.layout, self.dtype, spec="exact", weights=weights,
+                               device=s.device)  # fmt: skip
 
         self.chunks, self.optimizer = setup_training(built(), s.optimizer)
         self.ref = None

@@ -7,8 +7,15 @@ One TOML file holds both. [model], [training] and [rollout] are the contract's
     [loss]       PPO-clip and the optional KL term                            PPOClipConfig
     [optimizer]  Adam, clipping, the distributed optimizer                    OptimizerSettings
     [sync]       how weights reach the engines                                SyncConfig
-    [task]       the prompt task and its reward (`name` picks it)             Task.Config
+    [task]       the prompt task (`name` picks it: band, dataset)             Task.Config
+    [data]       the dataset task's files, columns, template, order           DataConfig
+    [reward]     the reward: math, a custom function, or band's own rule      RewardConfig
+    [eval]       evaluation on data.eval_file every N steps and at the end    EvalConfig
     [run]        run directory, checkpoints, Ray, bind address, sinks           RunSettings
+
+`[task] name = "band"` (the default) generates its prompts and scores ids by its own rule: it
+takes no [data], and its reward is "band". `[task] name = "dataset"` reads [data] (a train file
+is required) and [reward] ("math", the default, or "custom").
 
 Every key is typed; an unknown, missing or mistyped key, a value outside its range, or a
 layout the contract's rules refuse, is a `ContractError` naming the key or the rule.
@@ -33,6 +40,9 @@ from onpolicy.contract.config import (
 )
 from onpolicy.contract.errors import ContractError
 from onpolicy.contract.rules import validate
+from onpolicy.grpo.data import DataConfig
+from onpolicy.grpo.evaluation import EvalConfig
+from onpolicy.grpo.rewards import RewardConfig, load_reward, reward_path
 from onpolicy.grpo.tasks import task_config, task_table
 from onpolicy.train.loss import PPOClipConfig
 from onpolicy.train.step import OptimizerSettings
@@ -68,6 +78,11 @@ class GRPOConfig:
     """After every sync, check each engine rank's weights against the trainer's by digest."""
     routing_check: bool = True
     """Compare the rollout's routed expert ids with the trainer's at every step."""
+    filter_groups: bool = False
+    """Drop groups whose rewards are all equal and refill from the data stream (DAPO's dynamic
+    sampling; the dataset task only; `onpolicy.grpo.filtering`)."""
+    filter_max_batches: int = 4
+    """With filter_groups: prompt batches (of prompts_per_step) one step samples at most."""
     engine_mem_fraction: float = 0.5
     """SGLang's mem_fraction_static. On GPU: the share of memory for weights and KV cache. On
     CPU SGLang sizes the KV cache from free host memory measured before and after loading the
@@ -101,6 +116,9 @@ class RunSettings:
     actor_timeout_s: float = 1800.0
     """Seconds one actor call (a rollout, a training step, a sync) may take before the run
     counts its actor as hung and stops."""
+    save_samples: bool = False
+    """Write every step's samples (prompt, response ids and text, reward) to
+    samples/step_NNNNNNN.jsonl, and the eval samples to samples/eval_NNNNNNN.jsonl."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +133,10 @@ class E2EConfig:
     sync: SyncConfig
     task: Any
     """The task's own config (`onpolicy.grpo.tasks`: the class `[task] name` selects)."""
+    data: DataConfig
+    reward: RewardConfig
+    """Its name resolved ("" -> the task's own)."""
+    eval: EvalConfig
     run: RunSettings
     source: str = ""
     """The config file it was read from."""
@@ -143,7 +165,11 @@ class E2EConfig:
 
 
 _TYPES = {"grpo": GRPOConfig, "loss": PPOClipConfig, "optimizer": OptimizerSettings,
-          "sync": SyncConfig, "run": RunSettings}  # fmt: skip
+          "sync": SyncConfig, "data": DataConfig, "reward": RewardConfig, "eval": EvalConfig,
+          "run": RunSettings}  # fmt: skip
+
+REWARDS = {"band": ("band",), "dataset": ("math", "custom")}
+"""The rewards each task takes, its default first."""
 
 
 def _check(e: E2EConfig) -> None:
@@ -185,6 +211,7 @@ def _check(e: E2EConfig) -> None:
             "run.bind_address is empty",
             "set 127.0.0.1, or the address other hosts reach this one at",
         )
+    _check_data(e)
     if e.sync.transport == "tensor" and not e.cfg.rollout.colocate:
         raise ContractError(
             "sync_config",
@@ -195,6 +222,77 @@ def _check(e: E2EConfig) -> None:
     if e.sync.backend != want:
         raise ContractError("sync_config", f"sync.backend = {e.sync.backend!r} on device "
                             f"{e.cfg.device!r}", f"set sync.backend = {want!r}")  # fmt: skip
+
+
+def _resolve_reward(task: str, reward: RewardConfig) -> RewardConfig:
+    """[reward] name "" as the task's own; a name the task does not take is refused."""
+    allowed = REWARDS.get(task, ())
+    name = reward.name or (allowed[0] if allowed else "")
+    if name not in ("band", "math", "custom"):
+        raise ContractError("reward_config", f"reward.name = {reward.name!r}",
+                            "set 'math', 'custom' or 'band'")  # fmt: skip
+    if name not in allowed:
+        raise ContractError(
+            "reward_task",
+            f"reward.name = {name!r} with [task] name = {task!r}, which takes "
+            f"{' or '.join(repr(a) for a in allowed)}",
+            "the band task scores ids by its own rule; math and custom rewards read the text of "
+            "[task] name = 'dataset'",
+        )
+    if (name == "custom") != bool(reward.path):
+        raise ContractError(
+            "reward_config",
+            f"reward.path = {reward.path!r} with reward.name = {name!r}",
+            "set reward.path = 'package.module:function' for name = 'custom', and only then",
+        )
+    if reward.workers < 1 or not reward.timeout_s > 0:
+        raise ContractError("reward_config", f"reward.workers = {reward.workers}, "
+                            f"reward.timeout_s = {reward.timeout_s}",
+                            "set at least 1 worker and a positive timeout")  # fmt: skip
+    if name == "custom":
+        load_reward(reward_path(reward))  # reward_path / reward_signature, before anything runs
+    return dataclasses.replace(reward, name=name)
+
+
+def _check_data(e: E2EConfig) -> None:
+    d, v, g = e.data, e.eval, e.grpo
+    dataset = e.task.name == "dataset"
+    if not dataset and (d.train_file or d.eval_file):
+        raise ContractError(
+            "data_task",
+            f"[data] names files ({d.train_file or d.eval_file!r}) but [task] name = "
+            f"{e.task.name!r} generates its own prompts",
+            "set [task] name = 'dataset' to train on the files, or remove them",
+        )
+    if dataset and not d.train_file:
+        raise ContractError("data_task", "[task] name = 'dataset' without data.train_file",
+                            "set data.train_file to a local .jsonl or .parquet file")  # fmt: skip
+    if d.epochs < 1 or d.max_prompt_tokens < 1:
+        raise ContractError("data_config", f"data.epochs = {d.epochs}, data.max_prompt_tokens = "
+                            f"{d.max_prompt_tokens}", "set both to at least 1")  # fmt: skip
+    if not (d.prompt_key and d.label_key) or d.prompt_key == d.label_key:
+        raise ContractError("data_config", f"data.prompt_key = {d.prompt_key!r}, data.label_key "
+                            f"= {d.label_key!r}", "name two different columns")  # fmt: skip
+    for key, value in {"eval.every": v.every, "eval.max_new_tokens": v.max_new_tokens,
+                       "eval.max_prompts": v.max_prompts}.items():  # fmt: skip
+        if value < 0:
+            raise ContractError("eval_config", f"{key} = {value}", "set 0 or more")
+    if v.samples_per_prompt < 1 or not v.temperature >= 0:
+        raise ContractError(
+            "eval_config",
+            f"eval.samples_per_prompt = {v.samples_per_prompt}, eval.temperature = {v.temperature}",
+            "sample at least once, at a temperature of 0 (greedy) or more",
+        )
+    if v.every and not d.eval_file:
+        raise ContractError("eval_config", f"eval.every = {v.every} without data.eval_file",
+                            "set data.eval_file, or eval.every = 0")  # fmt: skip
+    if g.filter_groups and not dataset:
+        raise ContractError("grpo_config", "grpo.filter_groups with [task] name = "
+                            f"{e.task.name!r}", "group filtering refills from [data]: use "
+                            "[task] name = 'dataset'")  # fmt: skip
+    if g.filter_max_batches < 1:
+        raise ContractError("grpo_config", f"grpo.filter_max_batches = {g.filter_max_batches}",
+                            "set at least 1")  # fmt: skip
 
 
 def e2e_config_from_dict(data: dict, overrides: dict[str, object] | None = None,
@@ -220,6 +318,7 @@ def e2e_config_from_dict(data: dict, overrides: dict[str, object] | None = None,
     if not isinstance(task, dict):
         raise ContractError("config_types", "'task' must be a table", "write it as [task]")
     sections["task"] = task_config(task)
+    sections["reward"] = _resolve_reward(sections["task"].name, sections["reward"])
     e = E2EConfig(cfg=cfg, source=source, **sections)
     _check(e)
     return e

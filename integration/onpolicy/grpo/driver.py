@@ -1,14 +1,20 @@
-"""The GRPO driver: Ray placement, the step loop, the true-on-policy assertion, teardown.
+"""The GRPO driver: the step loop and the true-on-policy assertion (the actors, Ray and teardown
+are `onpolicy.grpo.cluster`'s).
 
 One step (`Driver.step`):
-1. every engine samples its share of the step's prompts x n, with log-probs, at temperature T;
-2. the task's rule rewards every sample;
+1. every engine samples its share of the step's prompts x n, with log-probs, at temperature T,
+   each sample ending at the task's stop ids or max_new_tokens;
+2. the task scores every sample (the dataset task: decoded text, a reward in a process pool);
+   with grpo.filter_groups, groups of equal rewards are dropped and refilled from the data
+   stream (`onpolicy.grpo.filtering`);
 3. group-normalised advantages;
 4. the trainer scores the same sequences (and reports its routed expert ids); the driver
    compares each generated token's two fp32 log-probs as bits and computes the metrics; in
    true-on-policy mode any difference stops the run here, naming the first differing token;
 5. one PPO-clip update on the rollout's log-probs as the sampling policy;
-6. the weights go to every engine as version step (checked by digest when configured).
+6. the weights go to every engine as version step (checked by digest when configured);
+7. every eval.every steps and after the last, the eval prompts are sampled and scored, not
+   trained on (`onpolicy.grpo.evaluation`).
 Only the driver writes metrics (`MetricsLogger`: JSONL, wandb, a console line, a progress bar).
 
 Faults: a dead or hung actor stops the run with its name and cause; Ctrl-C stops it; either
@@ -23,8 +29,6 @@ import math
 import os
 import secrets
 import shutil
-import signal
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,53 +37,38 @@ from typing import Any
 
 import torch
 
-from onpolicy.bits import as_bits
+from onpolicy.compare import Mismatch, compare, logprob_metrics
+from onpolicy.contract import ContractError
+from onpolicy.contract import model_checkpoint as checkpoint
+from onpolicy.fsutil import write_atomic
 from onpolicy.grpo.advantages import group_advantages
+from onpolicy.grpo.cluster import Cluster, RunError
 from onpolicy.grpo.config import E2EConfig
-from onpolicy.parity import Mismatch, checkpoint, compare
+from onpolicy.grpo.evaluation import eval_due, eval_metrics
+from onpolicy.grpo.filtering import fill, select_groups
+from onpolicy.grpo.procs import RUN_ID_ENV
+from onpolicy.grpo.rewards import RewardError, reward_metrics
+from onpolicy.grpo.tasks import Task, TaskContext, make_task
 
-RUN_ID_ENV = "ONPOLICY_RUN_ID"
-"""Set in the driver and inherited by every process of the run (Ray's head and workers, the
-engines' schedulers): how teardown finds what is left of the run."""
-
-
-class RunError(RuntimeError):
-    """The run stopped: an actor died or hung, or a step broke the true-on-policy assertion."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
+EVAL_SEEDS = 1 << 19
+"""Eval sample i of step s samples with seed `sampling_seed(s, EVAL_SEEDS + i)`: apart from the
+step's training samples (fewer than 2^19)."""
 
 
 class OnPolicyViolation(RunError):
-    """A step's trainer log-probs differ from the rollout's."""
+    """A step's trainer log-probs differ from the rollout's (exit 1)."""
 
-    def __init__(self, message: str, mismatch: Mismatch | None) -> None:
+    def __init__(self, message: str, *, step: int, mismatch: Mismatch | None,
+                 samples: list[dict], metrics: dict[str, Any]) -> None:  # fmt: skip
         super().__init__(message, 1)
+        self.step = step
+        """The step that broke the assertion."""
         self.mismatch = mismatch
-
-
-# --- metrics of one step ------------------------------------------------------------------------
-def logprob_metrics(samples: list[dict], scores: list[torch.Tensor]) -> dict[str, float]:
-    """The rollout's log-probs against the trainer's, over every generated token.
-
-    abs_diff = mean |train - rollout|; kl = mean (r - 1 - log r) with r = p_train / p_rollout,
-    the k3 estimate of KL(rollout || train) on the rollout's own samples; both in float64, so
-    they are 0.0 exactly when every pair is equal. equal_frac counts equal bits."""
-    diffs, equal, total = [], 0, 0
-    for s, lp in zip(samples, scores, strict=True):
-        got = torch.tensor(s["logprobs"], dtype=torch.float32)
-        want = lp[len(s["prompt"]) - 1 :]
-        equal += int((as_bits(got) == as_bits(want)).sum())
-        total += len(got)
-        diffs.append(want.double() - got.double())
-    d = torch.cat(diffs)
-    kl = torch.expm1(d) - d
-    return {"train/train_rollout_logprob_abs_diff": float(d.abs().mean()),
-            "train/train_rollout_kl": float(kl.mean()),
-            "train/logprob_equal_frac": equal / total,
-            "train/logprob_max_abs_diff": float(d.abs().max()),
-            "train/tokens_compared": total}  # fmt: skip
+        """The first differing token (None when only the metrics say so)."""
+        self.samples = samples
+        """The step's samples (what `Driver.bisect` reruns)."""
+        self.metrics = metrics
+        """The step's metrics up to the comparison."""
 
 
 @dataclass
@@ -93,152 +82,45 @@ class StepRecord:
 
 # --- the driver -------------------------------------------------------------------------------
 class Driver:
-    """Owns Ray, the actors and the loop of one run."""
+    """The loop of one run: setup, steps, checkpoints, bisect; the cluster runs the actors."""
 
     def __init__(self, e: E2EConfig, *, resume: bool = False, log=print) -> None:
         self.e, self.log = e, log
         self.out = e.out_dir
         self.resume = resume
-        self.actors: list[tuple[str, Any]] = []
-        self.trainers: list[Any] = []
-        self.engines: list[Any] = []
+        run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex
+        os.environ[RUN_ID_ENV] = run_id
+        self.cluster = Cluster(e, run_id=run_id, authkey=secrets.token_hex(16))
         self.engine_info: list[dict] = []
-        self.pg = None
-        self.started_ray = False
-        self.run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex
-        self.authkey = secrets.token_hex(16)
-        os.environ[RUN_ID_ENV] = self.run_id
+        """Each engine's start report (name, tp, ep, ...)."""
+        self.ckpt: Path | None = None
+        """The HF checkpoint the run starts from."""
+        self.resume_from: Path | None = None
+        """The torch-dist checkpoint root `--resume` continues from."""
         self.start_step = 0
-        self.times: dict[str, float] = {}
-
-    # --- setup ----------------------------------------------------------------------------------
-    def _ray_init(self) -> None:
-        r = self.e.run
-        if not r.ray_address and self._loopback:
-            # A local head on 127.0.0.1: Ray 2.60 replaces a loopback node address by the
-            # host's own and its servers bind every interface, unless multi-node mode is off
-            # (read when ray is first imported, so set before it).
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        import ray
-
-        if r.ray_address:
-            ray.init(address=r.ray_address, log_to_driver=False, configure_logging=False)
-            return
-        n = self.bundles
-        gpus = torch.cuda.device_count() if self.e.cfg.device == "cuda" else 0
-        ray.init(num_cpus=n + 1, num_gpus=gpus, include_dashboard=False,
-                 _node_ip_address=r.bind_address, log_to_driver=False,
-                 configure_logging=False)  # fmt: skip
-        self.started_ray = True
+        """The last step already done (0 on a fresh run)."""
+        self.task: Task | None = None
+        """The prompt task, made in `setup` (the dataset task needs the checkpoint's tokenizer)."""
+        self.cursor = 0
+        """The dataset task's stream position: prompts the run has taken so far."""
+        self.last_step = e.grpo.steps
+        """The run's last step (it evaluates after it)."""
+        self.times = self.cluster.times
+        """Setup, Ray start, slowest trainer setup and teardown seconds (times.json)."""
 
     @property
-    def bundles(self) -> int:
-        c = self.e.cfg
-        world, rollout = c.training.world, c.rollout.engines * c.rollout.tp
-        return world if c.rollout.colocate else world + rollout
-
-    def _place(self) -> None:
-        """One placement group: a bundle per trainer rank, then (unless colocated) a bundle per
-        engine rank. A colocated engine i shares bundles i*tp .. i*tp + tp - 1 with the trainer."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from onpolicy.grpo.actors import EngineSpec, RolloutActor, TrainerActor, TrainerSpec
-
-        c, e = self.e.cfg, self.e
-        cuda = c.device == "cuda"
-        unit = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
-        self.pg = placement_group([dict(unit) for _ in range(self.bundles)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=e.run.actor_timeout_s)
-
-        def at(bundle: int, share: float):
-            strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=bundle
-            )
-            return {"scheduling_strategy": strategy, "num_cpus": share,
-                    "num_gpus": share if cuda else 0}  # fmt: skip
-
-        from onpolicy.contract import resolve_plan
-        from onpolicy.rollout import engine_env
-
-        plan = resolve_plan(c)
-        share = 0.5 if c.rollout.colocate else 1.0
-        # gloo binds the address its host name resolves to unless told the interface.
-        base = {RUN_ID_ENV: self.run_id} | ({"GLOO_SOCKET_IFNAME": "lo"} if self._loopback else {})
-        t = c.training
-        host = e.run.bind_address
-        spec = TrainerSpec(world=t.world, tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, sp=t.sp,
-                           dtype=c.model.dtype, device=c.device, ckpt=str(self.ckpt),
-                           master_addr=host, master_port=_free_port(host),
-                           optimizer=e.optimizer, loss=e.loss, sync=e.sync,
-                           temperature=e.grpo.temperature,
-                           micro_batch_tokens=e.grpo.micro_batch_tokens,
-                           resume=str(self.resume_from or ""), authkey=self.authkey)  # fmt: skip
-        trainer_env = {**plan.training_env, **base, "OMP_NUM_THREADS": "1"}
-        Trainer = ray.remote(TrainerActor)
-        for g in range(t.world):
-            a = Trainer.options(name=None, runtime_env={"env_vars": trainer_env},
-                                **at(g, share)).remote(g, spec)  # fmt: skip
-            self.trainers.append(a)
-            self.actors.append((f"trainer rank {g}", a))
-        Rollout = ray.remote(RolloutActor)
-        r = c.rollout
-        for i in range(r.engines):
-            bundle = i * r.tp if r.colocate else t.world + i * r.tp
-            env = {**plan.rollout_env, **base,
-                   **engine_env(r.tp, e.cache_dir, c.device)}  # fmt: skip
-            if cuda:  # the engine places its TP ranks on GPUs base_gpu_id.. itself
-                env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-            es = EngineSpec(index=i, ckpt=str(self.ckpt), tp=r.tp, ep=r.ep, dtype=c.model.dtype,
-                            device=c.device, exact=e.grpo.rollout_path == "exact",
-                            routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,
-                            top_k=c.shape.num_experts_per_tok,
-                            base_gpu_id=bundle if cuda else 0, authkey=self.authkey,
-                            mem_fraction=e.grpo.engine_mem_fraction)  # fmt: skip
-            a = Rollout.options(runtime_env={"env_vars": env}, **at(bundle, share)).remote(es)
-            self.engines.append(a)
-            self.actors.append((f"engine{i}", a))
+    def trainers(self) -> list[Any]:
+        return self.cluster.trainers
 
     @property
-    def _loopback(self) -> bool:
-        return self.e.run.bind_address in ("127.0.0.1", "localhost")
+    def engines(self) -> list[Any]:
+        return self.cluster.engines
 
     def _wait(self, calls: list[tuple[str, Any]], what: str) -> list[Any]:
-        """Every call's value; RunError naming the first actor that died, failed or hung."""
-        import ray
-
-        names = {ref: name for name, ref in calls}
-        pending = [ref for _, ref in calls]
-        deadline = time.monotonic() + self.e.run.actor_timeout_s
-        while pending:
-            left = deadline - time.monotonic()
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
-            if not ready:
-                hung = ", ".join(names[r] for r in pending)
-                raise RunError(f"{what}: no answer from {hung} within "
-                               f"{self.e.run.actor_timeout_s:.0f} s", 3)  # fmt: skip
-            if _error(ready[0]) is not None:
-                # A rank whose peer died fails in its collective at once, often before Ray has
-                # noticed the death: wait briefly for the rest, and name a dead actor first.
-                more, pending = ray.wait(pending, num_returns=len(pending), timeout=10)
-                errors = [(r, _error(r)) for r in ready + more]
-                errors = [(r, e) for r, e in errors if e is not None]
-                dead = [(r, e) for r, e in errors if isinstance(e, ray.exceptions.RayActorError)]
-                ref, err = (dead or errors)[0]
-                verb = "died" if dead else "failed"
-                raise RunError(f"{what}: {names[ref]} {verb}: {_cause(err)}", 3)
-        return ray.get([ref for _, ref in calls])
+        return self.cluster.wait(calls, what)
 
     def _all(self, actors: list[Any], label: str, method: str, *args, **kw) -> list[Any]:
-        calls = [
-            (
-                f"{label} {i}" if label == "trainer rank" else f"engine{i}",
-                getattr(a, method).remote(*args, **kw),
-            )
-            for i, a in enumerate(actors)
-        ]
-        return self._wait(calls, method)
+        return self.cluster.all(actors, label, method, *args, **kw)
 
     def setup(self) -> None:
         from onpolicy.checkpoint import torch_dist
@@ -247,7 +129,6 @@ class Driver:
         self.out.mkdir(parents=True, exist_ok=True)
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self.ckpt = checkpoint(self.e.cfg, self.out)
-        self.resume_from = None
         if self.resume:
             root = self.out / "checkpoints"
             it = torch_dist.read_tracker(root) if root.exists() else None
@@ -255,16 +136,9 @@ class Driver:
                 raise RunError(f"--resume: no checkpoint under {root} (run.checkpoint_every "
                                "saves one every N steps)", 2)  # fmt: skip
             self.resume_from, self.start_step = root, it
-        self._ray_init()
-        self.times["ray_init_s"] = time.perf_counter() - t0
-        self._place()
-        starts = [(f"engine{i}", a.start.remote()) for i, a in enumerate(self.engines)]
-        setups = [(f"trainer rank {g}", a.setup.remote()) for g, a in enumerate(self.trainers)]
-        values = self._wait(starts + setups, "start")
-        self.engine_info = values[: len(self.engines)]
-        self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
-        pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
-        write_atomic(self.out / "actors.json", json.dumps(pids, indent=1) + "\n")
+        self._make_task()  # every problem with the data is refused here, before Ray starts
+        self.engine_info = self.cluster.start(self.ckpt, self.resume_from)
+        write_atomic(self.out / "actors.json", json.dumps(self.cluster.pids, indent=1) + "\n")
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
                    for i, h in zip(self.engine_info, self.engines, strict=True)]  # fmt: skip
         self._all(self.trainers, "trainer rank", "connect", proxies)
@@ -273,41 +147,162 @@ class Driver:
                       self.e.grpo.verify_weights)  # fmt: skip
         self.times["setup_s"] = time.perf_counter() - t0
 
+    def _make_task(self) -> None:
+        """The task, its data read and checked (a refusal is exit 2), and where the stream
+        continues on a resumed run."""
+        e, shape = self.e, self.e.cfg.shape
+        g = e.grpo
+        context = TaskContext(checkpoint=self.ckpt, data=e.data, reward=e.reward, seed=g.seed)
+        try:
+            self.task = make_task(e.task, shape.vocab_size, shape.eos_token_id, context)
+            if self._dataset and not g.filter_groups:
+                self.task.check_length(self.last_step * g.prompts_per_step)
+        except (ContractError, ValueError) as err:
+            raise RunError(f"{err}", 2) from None
+        if not self._dataset:
+            return
+        t = self.task
+        info = {"train_file": t.train.path, "train_rows": t.train.total,
+                "train_prompts": len(t.train.rows), "train_dropped_long": t.train.dropped_long,
+                "eval_file": t.eval.path if t.eval else "",
+                "eval_rows": t.eval.total if t.eval else 0,
+                "eval_prompts": len(t.eval.rows) if t.eval else 0,
+                "eval_dropped_long": t.eval.dropped_long if t.eval else 0,
+                "stop_token_ids": t.stop_token_ids()}  # fmt: skip
+        write_atomic(self.out / "data.json", json.dumps(info, indent=1) + "\n")
+        self.log(f"onpolicy e2e: data: {info['train_prompts']} of {info['train_rows']} training "
+                 f"prompts ({info['train_dropped_long']} longer than data.max_prompt_tokens = "
+                 f"{e.data.max_prompt_tokens} dropped)" +
+                 (f", {info['eval_prompts']} of {info['eval_rows']} eval prompts "
+                  f"({info['eval_dropped_long']} dropped)" if t.eval else "") +
+                 f"; stop ids {info['stop_token_ids']}")  # fmt: skip
+        self.cursor = self.start_step * g.prompts_per_step
+        if self.start_step and g.filter_groups:  # refills moved the stream: read where it is
+            state = self._data_state(self.start_step)
+            if not state.is_file():
+                raise RunError(f"--resume: no data stream position {state} for step "
+                               f"{self.start_step}", 2)  # fmt: skip
+            self.cursor = json.loads(state.read_text())["cursor"]
+
+    @property
+    def _dataset(self) -> bool:
+        return self.e.task.name == "dataset"
+
+    def _data_state(self, step: int) -> Path:
+        return self.out / "checkpoints" / "data" / f"iter_{step:07d}.json"
+
     # --- one step -------------------------------------------------------------------------------
     def sampling_seed(self, step: int, i: int) -> int:
         g = self.e.grpo
         return (g.seed * 1_000_003 + step) * (1 << 20) + i
 
-    def rollout(self, step: int) -> list[dict]:
-        from onpolicy.grpo.task import make_task
-
-        g, shape = self.e.grpo, self.e.cfg.shape
-        task = getattr(self, "task", None) or make_task(self.e.task, shape.vocab_size,
-                                                        shape.eos_token_id)  # fmt: skip
-        self.task = task
-        prompts = task.prompts(step, g.prompts_per_step, g.seed)
-        flat = [p for p in prompts for _ in range(g.samples_per_prompt)]
-        seeds = [self.sampling_seed(step, i) for i in range(len(flat))]
+    def generate(self, step: int, prompts: list, n: int, *, first_seed: int, temperature: float,
+                 max_new_tokens: int, what: str = "generate") -> list[dict]:  # fmt: skip
+        """Every prompt sampled n times over the engines (contiguous shares), sample i with
+        seed `sampling_seed(step, first_seed + i)`, then scored by the task: per sample its
+        prompt, output ids, log-probs, finish reason, reward (and the task's per-sample
+        metrics and decoded text)."""
+        g, task = self.e.grpo, self.task
+        flat = [p for p in prompts for _ in range(n)]
+        seeds = [self.sampling_seed(step, first_seed + i) for i in range(len(flat))]
         n_eng = len(self.engines)
         cuts = [len(flat) * k // n_eng for k in range(n_eng + 1)]
+        stop = task.stop_token_ids()
         calls = [(f"engine{k}", a.generate.remote([p.ids for p in flat[cuts[k]:cuts[k + 1]]],
                                                   seeds[cuts[k]:cuts[k + 1]],
-                                                  temperature=g.temperature,
-                                                  max_new_tokens=g.max_new_tokens,
-                                                  ignore_eos=g.ignore_eos))
+                                                  temperature=temperature,
+                                                  max_new_tokens=max_new_tokens,
+                                                  ignore_eos=g.ignore_eos, stop_token_ids=stop))
                  for k, a in enumerate(self.engines)]  # fmt: skip
-        outs = [s | {"engine": k} for k, part in enumerate(self._wait(calls, "generate"))
+        outs = [s | {"engine": k} for k, part in enumerate(self._wait(calls, what))
                 for s in part]  # fmt: skip
-        for p, s, seed in zip(flat, outs, seeds, strict=True):
+        try:
+            scores = task.score(flat, [s["output_ids"] for s in outs])
+        except RewardError as err:  # never scored 0: the run stops naming the sample
+            raise RunError(f"step {step} ({what}): {err}", 3) from None
+        for p, s, seed, sc in zip(flat, outs, seeds, scores, strict=True):
             s["prompt"], s["task_prompt"], s["seed"] = list(p.ids), p, seed
-            s["reward"] = float(task.reward(p, s["output_ids"]))
+            s["reward"], s["reward_metrics"], s["text"] = float(sc.reward), sc.metrics, sc.text
         return outs
+
+    def rollout(self, step: int) -> tuple[list[dict], dict[str, Any]]:
+        """The step's samples (groups of samples_per_prompt, contiguous) and the filtering
+        metrics; the dataset task's stream moves on by the prompts taken."""
+        g, n, want = self.e.grpo, self.e.grpo.samples_per_prompt, self.e.grpo.prompts_per_step
+
+        def sample(prompts: list, batch: int) -> list[dict]:
+            return self.generate(step, prompts, n, first_seed=batch * want * n,
+                                 temperature=g.temperature,
+                                 max_new_tokens=g.max_new_tokens)  # fmt: skip
+
+        if not g.filter_groups:
+            samples = sample(self.task.prompts(step, want, g.seed), 0)
+            self.cursor += want
+            return samples, {}
+        collected: list[dict] = []
+        batches = 0
+        while True:
+            try:
+                prompts = self.task.prompts_at(self.cursor, want)
+            except ContractError as err:  # the stream ran out (data.epochs)
+                raise RunError(f"step {step}: {err}", 2) from None
+            self.cursor += want
+            collected += sample(prompts, batches)
+            batches += 1
+            kept, dropped = select_groups([s["reward"] for s in collected], n, want)
+            if len(kept) >= want or batches >= g.filter_max_batches:
+                break
+        groups = fill(kept, dropped, want)
+        for i, s in enumerate(collected):
+            s["trained"] = i // n in groups
+        samples = [s for grp in groups for s in collected[grp * n : (grp + 1) * n]]
+        metrics = {"filter/dropped_groups": len(dropped), "filter/batches": batches,
+                   "filter/topped_up": max(want - len(kept), 0)}  # fmt: skip
+        self._dropped = [s for s in collected if not s["trained"]]
+        return samples, metrics
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The eval/ metrics of the eval prompts, sampled and scored (not trained on)."""
+        v, g = self.e.eval, self.e.grpo
+        t0 = time.perf_counter()
+        prompts = self.task.eval_prompts(v.max_prompts)
+        samples = self.generate(step, prompts, v.samples_per_prompt, first_seed=EVAL_SEEDS,
+                                temperature=v.temperature,
+                                max_new_tokens=v.max_new_tokens or g.max_new_tokens,
+                                what="eval")  # fmt: skip
+        truncated = [s.get("finish") == "length" for s in samples]
+        metrics = eval_metrics([s["reward"] for s in samples], v.samples_per_prompt,
+                               v.pass_threshold, truncated)  # fmt: skip
+        extra = reward_metrics([s["reward_metrics"] for s in samples])
+        metrics |= {f"eval/{k.removeprefix('reward/')}": x for k, x in extra.items()
+                    if f"eval/{k.removeprefix('reward/')}" not in metrics}  # fmt: skip
+        self._save_samples(f"eval_{step:07d}", samples)
+        return metrics | {"time/eval_s": time.perf_counter() - t0}
+
+    def _save_samples(self, name: str, samples: list[dict]) -> None:
+        """samples/<name>.jsonl (run.save_samples): what each sample was given and produced."""
+        if not self.e.run.save_samples:
+            return
+        lines = []
+        for i, s in enumerate(samples):
+            p = s["task_prompt"]
+            lines.append(json.dumps({
+                "sample": i, "prompt_index": p.index, "row": p.row, "label": p.label,
+                "prompt_text": p.text, "prompt_ids": s["prompt"], "output_ids": s["output_ids"],
+                "response": s["text"], "finish": s.get("finish"), "reward": s["reward"],
+                "reward_metrics": s["reward_metrics"], "seed": s["seed"], "engine": s["engine"],
+                "trained": s.get("trained", not name.startswith("eval")),
+            }, default=str, ensure_ascii=False) + "\n")  # fmt: skip
+        (self.out / "samples").mkdir(exist_ok=True)
+        write_atomic(self.out / "samples" / f"{name}.jsonl", "".join(lines))
 
     def step(self, step: int) -> StepRecord:
         g = self.e.grpo
         t0 = time.perf_counter()
-        samples = self.rollout(step)
+        self._dropped: list[dict] = []
+        samples, filtered = self.rollout(step)
         t_rollout = time.perf_counter() - t0
+        self._save_samples(f"step_{step:07d}", samples + self._dropped)
         rewards = [s["reward"] for s in samples]
         adv = group_advantages(rewards, g.samples_per_prompt)
         seqs = [s["prompt"] + s["output_ids"] for s in samples]
@@ -320,21 +315,17 @@ class Driver:
         metrics["rollout/weight_version"] = ",".join(sorted(str(v) for v in versions))
         if g.routing_check:
             metrics |= self._routing(samples, scored["routes"])
-        violation = None
         if g.true_on_policy and (metrics["train/train_rollout_logprob_abs_diff"] != 0.0
                                  or metrics["train/train_rollout_kl"] != 0.0
                                  or metrics["train/logprob_equal_frac"] != 1.0):  # fmt: skip
             result = compare(samples, dict(enumerate(scored["logprobs"])), f"step {step}")
-            violation = OnPolicyViolation(
+            raise OnPolicyViolation(
                 f"step {step}: true-on-policy broken: train_rollout_logprob_abs_diff = "
                 f"{metrics['train/train_rollout_logprob_abs_diff']!r}, train_rollout_kl = "
                 f"{metrics['train/train_rollout_kl']!r}, {result.equal} / {result.compared} "
                 f"tokens equal; {result.first.describe() if result.first else ''}",
-                result.first,
-            )
-            violation.samples, violation.step = samples, step
-            violation.metrics = metrics
-            raise violation
+                step=step, mismatch=result.first, samples=samples, metrics=metrics,
+            )  # fmt: skip
 
         if self._release:
             self._all(self.engines, "engine", "release_memory")
@@ -353,6 +344,12 @@ class Driver:
                            g.verify_weights)[0]  # fmt: skip
         t_sync = time.perf_counter() - t2
         lengths = [len(s["output_ids"]) for s in samples]
+        metrics |= filtered | reward_metrics([s["reward_metrics"] for s in samples])
+        truncated = sum(s.get("finish") == "length" for s in samples)
+        metrics["response/truncated_frac"] = truncated / len(samples)
+        if self._dataset:
+            metrics["data/position"] = self.cursor
+            metrics["data/epoch"] = (self.cursor - 1) // len(self.task.train.rows)
         metrics |= {
             "train/loss": trained["loss"], "train/pg_loss": trained["pg_loss"],
             "train/kl": trained["kl"], "train/clip_frac": trained["clip_frac"],
@@ -365,8 +362,13 @@ class Driver:
             "response/length_max": max(lengths), "rollout/samples": len(samples),
             "sync/bytes": synced["bytes"], "sync/verified_boxes": synced["verified_boxes"],
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/train_s": t_train,
-            "time/sync_s": t_sync, "time/step_s": time.perf_counter() - t0,
+            "time/sync_s": t_sync,
         }  # fmt: skip
+        v = self.e.eval
+        evals = self._dataset and self.task.eval is not None
+        if evals and eval_due(step, self.last_step, v.every):
+            metrics |= self.evaluate(step)
+        metrics["time/step_s"] = time.perf_counter() - t0
         return StepRecord(step=step, metrics=metrics, samples=samples)
 
     @property
@@ -424,115 +426,22 @@ class Driver:
         every = self.e.run.checkpoint_every
         if every and step % every == 0:
             root = str(self.out / "checkpoints")
+            if self._dataset:  # before the save: `latest` never names a step without it
+                self._data_state(step).parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(self._data_state(step), json.dumps({"cursor": self.cursor}) + "\n")
             self._all(self.trainers, "trainer rank", "save", root, step)
 
     def params_digest(self) -> str:
         return self._all(self.trainers, "trainer rank", "params_digest")[0]
 
     def teardown(self, graceful: bool = True) -> list[str]:
-        """Stop every actor and the local Ray head; kill and name any process of the run left.
-        `graceful` first asks each actor to shut down (not after a fault: a surviving rank
-        would wait in a collective for the dead one)."""
-        import ray
-
-        t0 = time.perf_counter()
-        if ray.is_initialized() and graceful:
-            # Trainers first (rank 0 leaves the engines' weight-sync group), all ranks at once
-            # (they leave their process groups together); then the engines.
-            for group in (self.trainers, self.engines):
-                refs = []
-                for a in group:
-                    try:
-                        refs.append(a.shutdown.remote())
-                    except Exception:  # a dead actor: killed below
-                        pass
-                try:
-                    ray.wait(refs, num_returns=len(refs), timeout=60)
-                except Exception:
-                    pass
-        if ray.is_initialized():
-            for _, a in self.actors:
-                try:
-                    ray.kill(a)
-                except Exception:
-                    pass
-            if self.pg is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                try:
-                    remove_placement_group(self.pg)
-                except Exception:
-                    pass
-            ray.shutdown()
-        self.actors, self.trainers, self.engines = [], [], []
-        left = reap(self.run_id) if self.started_ray else []
-        self.times["teardown_s"] = time.perf_counter() - t0
-        return left
+        """Stop every actor and the local Ray head; the processes of the run that had to be
+        killed, named (see `Cluster.teardown`)."""
+        if self.task is not None:
+            self.task.close()  # the reward pool's processes carry the run's id too
+        return self.cluster.teardown(graceful)
 
 
 def _std(xs: list[float]) -> float:
     m = sum(xs) / len(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
-
-
-def _error(ref: Any) -> BaseException | None:
-    """The exception a finished call raised, None when it returned."""
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-    except ray.exceptions.RayError as err:  # a dead actor, a failed method, a lost result
-        return err
-    return None
-
-
-def _cause(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    keep = [ln for ln in text if ln.strip()][:6]
-    return " | ".join(keep)[:800]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary sibling, then rename it over `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def run_processes(run_id: str) -> list[int]:
-    """Pids of live processes (not this one) that carry the run's id in their environment."""
-    found = []
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and state != "Z":
-            found.append(int(d.name))
-    return found
-
-
-def reap(run_id: str, grace_s: float = 20.0) -> list[str]:
-    """Wait for the run's processes to exit; kill and describe any still there after `grace_s`."""
-    deadline = time.monotonic() + grace_s
-    while run_processes(run_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = []
-    for pid in run_processes(run_id):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-            os.kill(pid, signal.SIGKILL)
-            left.append(f"{pid} {cmd}")
-        except OSError:
-            pass
-    return left

@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 
 from onpolicy.bits import hex_bits
-from onpolicy.grpo.driver import Driver, OnPolicyViolation, RunError, write_atomic
+from onpolicy.fsutil import write_atomic
+from onpolicy.grpo.cluster import RunError
+from onpolicy.grpo.driver import Driver, OnPolicyViolation
 
 TABLE = [("step", "step", "{}"), ("abs_diff", "train/train_rollout_logprob_abs_diff", "{!r}"),
          ("kl", "train/train_rollout_kl", "{!r}"), ("equal", "train/logprob_equal_frac", "{:.4f}"),
@@ -41,13 +43,19 @@ TABLE = [("step", "step", "{}"), ("abs_diff", "train/train_rollout_logprob_abs_d
          ("rollout_s", "time/rollout_s", "{:.2f}"), ("train_s", "time/train_s", "{:.2f}"),
          ("sync_s", "time/sync_s", "{:.2f}")]  # fmt: skip
 """The final table's columns: heading, metric, format."""
+EVAL_TABLE = [("eval", "eval/reward_mean", "{:.3f}"), ("pass@k", "eval/pass@k", "{:.3f}")]
+"""Columns shown when some step evaluated (`[eval]`), after the reward column."""
 
 
 def format_table(rows: list[dict]) -> str:
     """The final table: one row per step, a column per TABLE entry ("-" where a metric is
     missing, e.g. the training columns of a step that stopped at the assertion)."""
     cols = []
-    for head, key, fmt in TABLE:
+    table = list(TABLE)
+    if any(key in r for r in rows for _, key, _ in EVAL_TABLE):
+        at = [key for _, key, _ in table].index("reward/mean") + 1
+        table[at:at] = EVAL_TABLE
+    for head, key, fmt in table:
         cells = [fmt.format(r[key]) if key in r else "-" for r in rows]
         width = max(len(head), *(len(c) for c in cells))
         cols.append([head.rjust(width)] + [c.rjust(width) for c in cells])
@@ -78,7 +86,12 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         print(msg, file=console, flush=True)
 
     total = steps if steps is not None else e.grpo.steps
-    driver = Driver(e, resume=resume, log=say)
+    try:
+        driver = Driver(e, resume=resume, log=say)
+    except ValueError as err:  # the task refuses the model's vocabulary
+        say(f"onpolicy e2e: {e.source}: {err}")
+        return 2
+    driver.last_step = total  # the run evaluates after it
     logger, rows, code, graceful = None, [], 0, True
     t0 = time.perf_counter()
     try:

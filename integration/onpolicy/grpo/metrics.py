@@ -40,11 +40,10 @@ import math
 import numbers
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from onpolicy.checkpoint.hf import fsync_path
+from onpolicy.fsutil import write_atomic
 
 Metrics = dict[str, float | int | str | None]
 
@@ -58,6 +57,10 @@ REWARD_STD = "reward/std"
 """Std of the rewards of the step's samples."""
 RESPONSE_LEN = "response/length_mean"
 """Mean response length in tokens."""
+EVAL_REWARD = "eval/reward_mean"
+"""Mean reward of the eval samples (steps that evaluate)."""
+EVAL_PASS = "eval/pass@k"
+"""Share of eval prompts with a passing sample among their k."""
 GRAD_NORM = "grad_norm"
 """Gradient norm before clipping."""
 WEIGHT_VERSION = "weight_version"
@@ -95,6 +98,8 @@ def format_line(step: int, total: int, metrics: Metrics) -> str:
         parts.append(f"reward {float(m[REWARD_MEAN]):.2f}{std}")
     if RESPONSE_LEN in m:
         parts.append(f"len {float(m[RESPONSE_LEN]):.1f}")
+    if EVAL_REWARD in m:
+        parts.append(f"eval {float(m[EVAL_REWARD]):.2f} pass@k {float(m[EVAL_PASS]):.2f}")
     if GRAD_NORM in m:
         parts.append(f"grad_norm {_num(m[GRAD_NORM])}")
     if WEIGHT_VERSION in m:
@@ -163,17 +168,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 def truncate_metrics(path: Path, start_step: int) -> int:
     """Keep the lines with step <= start_step (atomically); return the last kept step or 0."""
     kept = [(line, r) for line, r in _records(path) if r["step"] <= start_step]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("".join(line for line, _ in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    write_atomic(path, "".join(line for line, _ in kept), mode=0o600)  # 0600 as it always was
     return kept[-1][1]["step"] if kept else 0
 
 

@@ -3,7 +3,8 @@
 Nothing can be downloaded from a hub here, so every test builds its model from this writer:
 config.json (as the published Qwen3-MoE configs spell it), model.safetensors with per-expert
 `mlp.experts.{e}.{gate,up,down}_proj` weights, and an offline byte-level BPE tokenizer that
-transformers and SGLang both load. The same config and seed give byte-identical files.
+transformers and SGLang both load, with a Qwen3-style chat template. The same config and seed
+give byte-identical files.
 """
 
 from __future__ import annotations
@@ -32,6 +33,20 @@ TINY_DIMS: dict[str, object] = {
     "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
 }  # fmt: skip
 """The default tiny shape, in `Qwen3MoeConfig`'s (HF config.json's) field names."""
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+"""The tiny tokenizer's chat template: Qwen3's ChatML turns and generation prompt, including its
+`enable_thinking=False` switch (an empty think block after the generation prompt); no tools."""
 
 INIT_STD = 0.1
 """Std of the normal init of every matrix; large enough that greedy choices are not ties."""
@@ -144,6 +159,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     gen = {"eos_token_id": vocab_size - 1, "pad_token_id": vocab_size - len(SPECIAL_TOKENS)}

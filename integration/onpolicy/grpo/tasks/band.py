@@ -34,7 +34,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from onpolicy.grpo.tasks.base import Prompt
+from onpolicy.grpo.tasks.base import Prompt, Score, TaskContext
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,7 +79,8 @@ class BandTask:
     name: ClassVar[str] = "band"
     Config: ClassVar[type] = BandConfig
 
-    def __init__(self, config: BandConfig, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(self, config: BandConfig, vocab_size: int, eos_token_id: int,
+                 context: TaskContext | None = None) -> None:  # fmt: skip
         if not 0 <= eos_token_id < vocab_size:
             raise ValueError(f"band task: eos_token_id ({eos_token_id}) must be in "
                              f"[0, vocab_size={vocab_size})")  # fmt: skip
@@ -134,3 +135,15 @@ class BandTask:
         target = self.band_range(prompt.label)
         hits = sum(1 for t in response_ids if t in target)
         return hits / max(len(response_ids), self.config.min_response_tokens)
+
+    def score(self, prompts: list[Prompt], responses: list[list[int]]) -> list[Score]:
+        """`reward` of each response, on its ids (nothing is decoded)."""
+        return [Score(reward=float(self.reward(p, r)))
+                for p, r in zip(prompts, responses, strict=True)]  # fmt: skip
+
+    def stop_token_ids(self) -> None:
+        """None: the engine stops at the model's EOS (`grpo.ignore_eos` aside)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to free."""

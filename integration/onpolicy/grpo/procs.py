@@ -1,0 +1,49 @@
+"""The run's processes: how they are marked, found and reaped at teardown.
+
+Every process of a run (the driver, Ray's head and workers, the engines' schedulers) carries
+RUN_ID_ENV in its environment; teardown waits for them to exit, then kills and names any left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+RUN_ID_ENV = "ONPOLICY_RUN_ID"
+"""Set in the driver and inherited by every process of the run (Ray's head and workers, the
+engines' schedulers): how teardown finds what is left of the run."""
+
+
+def run_processes(run_id: str) -> list[int]:
+    """Pids of live processes (not this one) that carry the run's id in their environment."""
+    found = []
+    needle = f"{RUN_ID_ENV}={run_id}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and state != "Z":
+            found.append(int(d.name))
+    return found
+
+
+def reap(run_id: str, grace_s: float = 20.0) -> list[str]:
+    """Wait for the run's processes to exit; kill and describe any still there after `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    while run_processes(run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = []
+    for pid in run_processes(run_id):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            os.kill(pid, signal.SIGKILL)
+            left.append(f"{pid} {cmd}")
+        except OSError:
+            pass
+    return left
