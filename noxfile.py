@@ -41,6 +41,9 @@ TEST_REQS = [
     "wandb",  # the GRPO run's metrics (offline unless WANDB_API_KEY is set)
     "tqdm",  # the GRPO run's progress bar
     "triton==3.6.0",  # the CUDA backend's kernels, run by Triton's interpreter on CPU in CI
+    "datasets",  # the dataset task's JSONL / Parquet files ([data])
+    "pyarrow",  # datasets' Parquet reader and writer
+    "math-verify",  # the "math" reward (HF's answer verifier)
 ]
 
 

@@ -84,7 +84,8 @@ class StepRecord:
 class Driver:
     """The loop of one run: setup, steps, checkpoints, bisect; the cluster runs the actors."""
 
-    def __init__(self, e: E2EConfig, *, resume: bool = False, log=print) -> None:
+    def __init__(self, e: E2EConfig, *, resume: bool = False, last_step: int | None = None,
+                 log=print) -> None:  # fmt: skip
         self.e, self.log = e, log
         self.out = e.out_dir
         self.resume = resume
@@ -103,7 +104,7 @@ class Driver:
         """The prompt task, made in `setup` (the dataset task needs the checkpoint's tokenizer)."""
         self.cursor = 0
         """The dataset task's stream position: prompts the run has taken so far."""
-        self.last_step = e.grpo.steps
+        self.last_step = e.grpo.steps if last_step is None else last_step
         """The run's last step (it evaluates after it)."""
         self.times = self.cluster.times
         """Setup, Ray start, slowest trainer setup and teardown seconds (times.json)."""

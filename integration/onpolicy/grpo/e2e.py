@@ -86,12 +86,7 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         print(msg, file=console, flush=True)
 
     total = steps if steps is not None else e.grpo.steps
-    try:
-        driver = Driver(e, resume=resume, log=say)
-    except ValueError as err:  # the task refuses the model's vocabulary
-        say(f"onpolicy e2e: {e.source}: {err}")
-        return 2
-    driver.last_step = total  # the run evaluates after it
+    driver = Driver(e, resume=resume, last_step=total, log=say)
     logger, rows, code, graceful = None, [], 0, True
     t0 = time.perf_counter()
     try:

@@ -19,11 +19,11 @@ the step's samples).
   config is read;
 - "band": the band task's own rule on token ids (`onpolicy.grpo.tasks.band`).
 
-Rewards run in `RewardPool`: `workers` processes (spawned, so nothing of the driver's threads is
-inherited), one sample at a time each, with a per-sample timeout. A reward that raises, returns
-something that is not a finite number (or a dict with one as "score"), or runs past
-`timeout_s`, is a `RewardError` naming the sample and the function: the run stops (exit 3). A
-failing reward is never scored 0.
+Rewards run in `RewardPool`: `workers` child processes (fresh interpreters, so nothing of the
+driver's threads is inherited), one sample at a time each, with a per-sample timeout. A reward
+that raises, returns something that is not a finite number (or a dict with one as "score"), or
+runs past `timeout_s`, is a `RewardError` naming the sample and the function: the run stops
+(exit 3). A failing reward is never scored 0.
 """
 
 from __future__ import annotations
@@ -229,16 +229,20 @@ def check_value(value: Any) -> tuple[float, dict[str, float]]:
 
 
 # --- the pool -------------------------------------------------------------------------------
-def _worker(conn: Any, path: str) -> None:
-    """A pool process: import the function once, then score (index, args) until told to stop."""
+def _worker(conn: Any) -> None:
+    """A pool process: import the function it is sent once, then score (index, args) until
+    told to stop (or until the driver's end of the socket closes)."""
     try:
-        fn = load_reward(path)
+        fn = load_reward(conn.recv())
     except Exception as err:
         conn.send(("init", -1, f"{type(err).__name__}: {err}"))
         return
     conn.send(("ready", -1, None))
     while True:
-        job = conn.recv()
+        try:
+            job = conn.recv()
+        except EOFError:  # the driver is gone
+            return
         if job is None:
             return
         index, args = job
@@ -247,19 +251,19 @@ def _worker(conn: Any, path: str) -> None:
             conn.send(("ok", index, check_value(value)))
         except BaseException as err:  # everything a user function raises is reported
             where = traceback.extract_tb(err.__traceback__)[-1]
-            conn.send(
-                (
-                    "error",
-                    index,
-                    f"{type(err).__name__}: {err} (at {where.filename}:"
-                    f"{where.lineno} in {where.name})",
-                )
-            )
+            at = f"{where.filename}:{where.lineno} in {where.name}"
+            text = f"{type(err).__name__}: {err} (at {at})"
+            conn.send(("error", index, text))
 
 
 class RewardPool:
     """`workers` processes scoring samples with the function at `path`, each within
-    `timeout_s`; started on first use, stopped by `close`."""
+    `timeout_s`; started on first use, stopped by `close`.
+
+    Each is `python -m onpolicy.grpo.rewards FD`, a plain child process talking over a socket
+    pair, with this process's Python path: not multiprocessing's spawn, which would re-import
+    the driver's main module and leave its resource-tracker process running with the run's id
+    until the driver exits."""
 
     def __init__(self, path: str, workers: int = 2, timeout_s: float = 30.0) -> None:
         self.path, self.workers, self.timeout_s = path, workers, timeout_s
@@ -268,23 +272,30 @@ class RewardPool:
     def start(self) -> None:
         if self._procs:
             return
-        import multiprocessing as mp
+        import os
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
 
-        ctx = mp.get_context("spawn")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         for _ in range(self.workers):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(
-                target=_worker, args=(child, self.path), daemon=True, name="onpolicy-reward"
-            )
-            p.start()
-            child.close()
-            self._procs.append((p, parent))
+            mine, theirs = socket.socketpair()
+            p = subprocess.Popen(
+                [sys.executable, "-m", "onpolicy.grpo.rewards", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+            theirs.close()
+            conn = Connection(mine.detach())
+            conn.send(self.path)
+            self._procs.append((p, conn))
         for _, conn in self._procs:
             # Importing the function (and what it imports) may take a while; count it apart.
-            if not conn.poll(max(self.timeout_s, 300.0)):
-                self.close()
-                raise RewardError(f"reward {self.path}: a pool process did not start")
-            kind, _, info = conn.recv()
+            try:
+                started = conn.poll(max(self.timeout_s, 300.0))
+                kind, _, info = conn.recv() if started else ("", -1, "no answer")
+            except (EOFError, OSError) as err:
+                kind, info = "", f"it exited ({type(err).__name__})"
             if kind != "ready":
                 self.close()
                 raise RewardError(f"reward {self.path}: a pool process could not load it: {info}")
@@ -313,10 +324,9 @@ class RewardPool:
                 try:
                     kind, index, value = conn.recv()
                 except (EOFError, OSError):
-                    self._kill(w)
+                    code = self._kill(w)
                     raise RewardError(
-                        f"reward {self.path} on {names[j]}: its process died "
-                        f"(exit code {self._procs[w][0].exitcode})"
+                        f"reward {self.path} on {names[j]}: its process died (exit code {code})"
                     ) from None
                 if kind == "error":
                     raise RewardError(f"reward {self.path} raised on {names[j]}: {value}")
@@ -332,27 +342,36 @@ class RewardPool:
                     )
         return results
 
-    def _kill(self, w: int) -> None:
+    def _kill(self, w: int) -> int | None:
+        """Kill worker w (a stuck or broken one); its exit code."""
         p, conn = self._procs[w]
-        p.kill()
-        p.join(5)
+        if p.poll() is None:
+            p.kill()
+        try:
+            p.wait(5)
+        except Exception:  # subprocess.TimeoutExpired: left for close()
+            pass
         conn.close()
-        self._procs[w] = (p, conn)
+        return p.returncode
 
     def close(self) -> None:
-        """Stop every process (a stuck one is killed)."""
+        """Stop every process (one that does not stop is killed)."""
+        import subprocess
+
         for p, conn in self._procs:
-            if p.is_alive():
+            if p.poll() is None and not conn.closed:
                 try:
                     conn.send(None)
                 except (OSError, ValueError):
                     pass
         for p, conn in self._procs:
-            p.join(2)
-            if p.is_alive():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join(5)
-            conn.close()
+                p.wait(10)
+            if not conn.closed:
+                conn.close()
         self._procs = []
 
     def __enter__(self) -> RewardPool:
@@ -370,3 +389,10 @@ def reward_metrics(extras: list[dict[str, float]]) -> dict[str, float]:
         for k in keys
         for v in [[e[k] for e in extras if k in e]]
     }
+
+
+if __name__ == "__main__":  # a RewardPool process: python -m onpolicy.grpo.rewards FD
+    import sys
+    from multiprocessing.connection import Connection
+
+    _worker(Connection(int(sys.argv[1])))
