@@ -78,9 +78,12 @@ def _violation_record(v: OnPolicyViolation) -> dict:
 
 
 def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = False,
-        console=sys.stderr) -> int:  # fmt: skip
-    """Run the config's GRPO loop; the exit code (see the module doc)."""
+        console=None) -> int:  # fmt: skip
+    """Run the config's GRPO loop; the exit code (see the module doc). `console` (default: the
+    sys.stderr of the moment, not of import time) gets the run's messages."""
     from onpolicy.grpo.metrics import MetricsLogger
+
+    console = console if console is not None else sys.stderr
 
     def say(msg: str) -> None:
         print(msg, file=console, flush=True)
