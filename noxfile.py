@@ -31,6 +31,7 @@ TORCH_CONSTRAINT = ROOT / "integration/onpolicy/upstream/torch-cpu.txt"
 SGLANG_CPU_REQS = ROOT / "integration/onpolicy/upstream/sglang-cpu-requirements.txt"
 TEST_REQS = [
     "pytest",
+    "pytest-timeout",  # every test bounded (pyproject's timeout, modules' own budgets)
     "hypothesis",
     "numpy",
     "packaging>=24.2",

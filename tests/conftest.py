@@ -46,6 +46,13 @@ def torchrun():
 
 
 @pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """SGLang's and inductor's compile caches, one folder for every engine the session starts
+    (an engine's first forward compiles; a warm cache skips that)."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The default seeded tiny Qwen3-MoE (bf16 weights, HF layout), written once per session."""
     from onpolicy.models import write_tiny_checkpoint

@@ -5,7 +5,8 @@ the negative control). Each generates one sample through `EngineService.capture_
 (every TP rank's points captured in the scheduler processes, during the normal prefill and
 decode). The engines are then stopped, and one torchrun job (world 8: Megatron TP2 PP2 EP2 with
 SP) captures the same points while `logprobs()` scores each sample's sequence
-(`onpolicy.train.capture.capture_logprobs`). `onpolicy.grpo.bisect` compares the points as
+(`onpolicy.train.capture.capture_logprobs`). The engines and the job are the routing test's
+too (exact_and_stock.py). `onpolicy.grpo.bisect` compares the points as
 integer views: the exact rollout equals the trainer at every point and position; the stock
 rollout diverges inside layer 0, before the logits.
 """
@@ -17,44 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from exact_and_stock import BISECT_NEW, BISECT_PROMPT
 from onpolicy.capture import PER_LAYER, Recorder, order
 from onpolicy.grpo.bisect import compare, first_divergence
 from onpolicy.models.tiny import TINY
-from onpolicy.rollout.host import EngineHost
 
-WORKER = Path(__file__).parent / "workers" / "bisect_capture.py"
-PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
-NEW = 6
-TEMPERATURE = 0.8
+PROMPT, NEW = BISECT_PROMPT, BISECT_NEW
 LAYERS = TINY.num_hidden_layers
 
 
 @pytest.fixture(scope="module")
-def captures(tiny_checkpoint, torchrun, tmp_path_factory):
-    """{"exact"|"stock": (rollout dir, trainer dir)}, captured once."""
-    work = tmp_path_factory.mktemp("bisect")
-    hosts = {name: EngineHost.start(name, tiny_checkpoint, work, tp=2, ep=2,
-                                    exact=name == "exact")
-             for name in ("exact", "stock")}  # fmt: skip
-    request = {"prompts": [PROMPT], "new_tokens": NEW, "temperature": TEMPERATURE, "seed": 7}
-    jobs, dirs = [], {}
-    try:
-        for name, host in hosts.items():
-            client = host.connect()
-            rollout = work / f"{name}-rollout"
-            sample = client.call("capture_generate", request=request, out_dir=str(rollout))
-            client.close()
-            dirs[name] = (rollout, work / f"{name}-trainer")
-            jobs.append({"tokens": sample["prompt"] + sample["output_ids"],
-                         "out_dir": str(dirs[name][1])})  # fmt: skip
-    finally:
-        for h in hosts.values():
-            h.stop()
-    (work / "jobs.json").write_text(json.dumps(jobs))
-    torchrun(WORKER, 8, "--ckpt", str(tiny_checkpoint), "--jobs", str(work / "jobs.json"),
-             "--temperature", str(TEMPERATURE), "--tp", "2", "--pp", "2", "--ep", "2", "--sp",
-             timeout=900)  # fmt: skip
-    return dirs
+def captures(exact_and_stock):
+    """{"exact"|"stock": (rollout capture dir, trainer capture dir)}."""
+    return exact_and_stock["bisect"]
 
 
 @pytest.mark.slow

@@ -4,70 +4,34 @@ One exact SGLang engine (TP2 EP2, `return_routed_experts=True`) samples a few pr
 `EngineService.generate` (`rollout.engine.sample` with `return_routed_experts`); SGLang's own
 routed-experts capturer returns the ids `onpolicy.rollout.moe` fed it. One torchrun job (world
 8: Megatron TP2 PP2 EP2 with SP, so the ids come from SP shards, two pipeline stages, two EP
-ranks and two DP replicas) scores the same sequences with `logprobs(..., routes=True)`.
+ranks and two DP replicas) scores the same sequences with `logprobs(..., routes=True)`. The
+engines and the job are the `--bisect` test's too (exact_and_stock.py).
 `onpolicy.grpo.routing.routing_mismatch` must count 0 differing (position, layer) rows.
 
 Negative control in the same harness: the stock engine (`exact=False`: SGLang's router, its
 capturer fed by SGLang's TopK, its attention and combine) samples the same prompts greedily (its
 sampler ignores the seed; greedy keeps the control deterministic), and the same torchrun job
-scores those sequences too; the ids must differ on some rows. The engines run while sampling
-only and are stopped before the trainer job, which then has the two cores to itself.
+scores those sequences too; the ids must differ on some rows.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
+from exact_and_stock import ROUTING_NEW, ROUTING_PROMPTS
 from onpolicy.bits import n_differ
 from onpolicy.grpo.routing import routing_mismatch
 from onpolicy.models.tiny import TINY
 from onpolicy.rollout import routing
-from onpolicy.rollout.host import EngineHost
 
-WORKER = Path(__file__).parent / "workers" / "routing.py"
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 20, 30], [500, 600, 700, 800, 900, 17], [42, 43]]
-NEW = 10
-TEMPERATURE = 0.8
+PROMPTS, NEW = ROUTING_PROMPTS, ROUTING_NEW
 LAYERS, TOP_K = TINY.num_hidden_layers, TINY.num_experts_per_tok
 
 
-def _request(temperature: float) -> dict:
-    return {"prompts": PROMPTS, "new_tokens": NEW, "temperature": temperature, "seed": 5,
-            "return_routed_experts": True}  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def runs(tiny_checkpoint, torchrun, tmp_path_factory):
-    """{"exact"|"stock": (samples, trainer result on their sequences)}."""
-    work = tmp_path_factory.mktemp("routing")
-    extra = {"return_routed_experts": True}
-    hosts = {"exact": EngineHost.start("exact", tiny_checkpoint, work, tp=2, ep=2,
-                                       engine_args=extra),
-             "stock": EngineHost.start("stock", tiny_checkpoint, work, tp=2, ep=2, exact=False,
-                                       engine_args=extra)}  # fmt: skip
-    samples = {}
-    try:
-        for name, temperature in (("exact", TEMPERATURE), ("stock", 0.0)):
-            client = hosts[name].connect()
-            samples[name] = client.call("generate", request=_request(temperature))
-            client.close()
-    finally:
-        for h in hosts.values():
-            h.stop()
-    seqs = [s["prompt"] + s["output_ids"] for name in ("exact", "stock") for s in samples[name]]
-    (work / "sequences.json").write_text(json.dumps(seqs))
-    torchrun(WORKER, 8, "--ckpt", str(tiny_checkpoint), "--sequences", str(work / "sequences.json"),
-             "--temperature", str(TEMPERATURE), "--out", str(work / "trainer.pt"), "--tp", "2",
-             "--pp", "2", "--ep", "2", "--sp", "--mb-tokens", "32", timeout=900)  # fmt: skip
-    got = torch.load(work / "trainer.pt")
-    n = len(PROMPTS)
-    return {
-        "exact": (samples["exact"], got["logprobs"][:n], got["routes"][:n]),
-        "stock": (samples["stock"], got["logprobs"][n:], got["routes"][n:]),
-    }
+def runs(exact_and_stock):
+    """{"exact"|"stock": (samples, trainer log-probs, trainer routes on their sequences)}."""
+    return exact_and_stock["routing"]
 
 
 @pytest.mark.slow

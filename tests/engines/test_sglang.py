@@ -24,17 +24,11 @@ LOGPROB_ATOL = 1e-4
 LAYOUTS = {"tp1": (1, 1), "tp2-ep2": (2, 2)}
 
 
-def run_engine(ckpt: Path, tmp: Path, tp: int, ep: int) -> dict:
+def run_engine(ckpt: Path, tmp: Path, tp: int, ep: int, cache: Path) -> dict:
+    from onpolicy.rollout import engine_env
+
     out = tmp / "result.json"
-    env = {
-        **os.environ,
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "OMP_NUM_THREADS": "1",
-        # One OpenMP core set per TP rank; without it SGLang asserts ranks <= NUMA nodes.
-        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % os.cpu_count()) for i in range(tp)),
-        "SGLANG_CACHE_DIR": str(tmp / "sglang-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-cache"),
-    }
+    env = engine_env(tp, cache, base=os.environ)
     cmd = [sys.executable, str(WORKER), "--ckpt", str(ckpt), "--out", str(out),
            "--tp", str(tp), "--ep", str(ep), "--new-tokens", str(NEW_TOKENS),
            "--prompts", json.dumps(PROMPTS)]  # fmt: skip
@@ -45,9 +39,10 @@ def run_engine(ckpt: Path, tmp: Path, tp: int, ep: int) -> dict:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def engine_result(request, tiny_checkpoint, tmp_path_factory):
+def engine_result(request, tiny_checkpoint, tmp_path_factory, compile_cache):
     tp, ep = LAYOUTS[request.param]
-    return request.param, run_engine(tiny_checkpoint, tmp_path_factory.mktemp("sgl"), tp, ep)
+    tmp = tmp_path_factory.mktemp("sgl")
+    return request.param, run_engine(tiny_checkpoint, tmp, tp, ep, compile_cache)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -113,13 +113,13 @@ def _runs(layout: str) -> list[dict]:
     return runs
 
 
-def _env(tp: int, tmp: Path, segments=None) -> dict[str, str]:
+def _env(tp: int, cache: Path, segments=None) -> dict[str, str]:
     from onpolicy.rollout import engine_env
 
     overlay = [str(REPO / "build" / "upstream" / "sglang")] if _overlay() else []
     path = [*overlay, str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
     env = {k: v for k, v in os.environ.items() if k != "ONPOLICY_K_SEGMENTS"}
-    return {**env, **engine_env(tp, tmp, segments=segments), "PYTHONPATH": os.pathsep.join(path)}
+    return {**env, **engine_env(tp, cache, segments=segments), "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _overlay() -> bool:
@@ -127,14 +127,15 @@ def _overlay() -> bool:
     return "build/upstream/sglang" in os.environ.get("PYTHONPATH", "")
 
 
-def _run_worker(plan: dict, tp: int, tmp: Path, timeout: float = 1500, segments=None) -> dict:
+def _run_worker(plan: dict, tp: int, tmp: Path, cache: Path, timeout: float = 1500,
+                segments=None) -> dict:  # fmt: skip
     """The worker's results; `segments` (a `KSegments`) goes to its ONPOLICY_K_SEGMENTS, else
     the engines cut each row-parallel K into their own TP's segments."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "plan.json").write_text(json.dumps(plan))
     out = tmp / "result.json"
     cmd = [sys.executable, str(WORKER), "--plan", str(tmp / "plan.json"), "--out", str(out)]
-    env = _env(tp, tmp, segments)
+    env = _env(tp, cache, segments)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         pytest.fail(f"exact SGLang worker (tp={tp}) exited {p.returncode}\n{p.stderr[-8000:]}")
@@ -142,14 +143,14 @@ def _run_worker(plan: dict, tp: int, tmp: Path, timeout: float = 1500, segments=
 
 
 @pytest.fixture(scope="module")
-def engine_runs(tiny_checkpoint, tmp_path_factory):
+def engine_runs(tiny_checkpoint, tmp_path_factory, compile_cache):
     """layout -> run name -> results; each layout's worker runs once, when first asked for."""
 
     @functools.cache
     def get(layout: str) -> dict:
         plan = {"ckpt": str(tiny_checkpoint), "runs": _runs(layout)}
         tmp = tmp_path_factory.mktemp(f"sglang-exact-{layout}")
-        res = _run_worker(plan, LAYOUTS[layout][0], tmp)["runs"]
+        res = _run_worker(plan, LAYOUTS[layout][0], tmp, compile_cache)["runs"]
         for name, r in res.items():
             print(f"[{layout} {name}] engine start + plan: {r['seconds']:.1f} s ({r['sglang']})")
         return res
@@ -381,17 +382,17 @@ REFUSALS = {
 
 
 @pytest.mark.slow
-def test_engine_refuses_settings_off_the_exact_path(tiny_checkpoint, tmp_path):
+def test_engine_refuses_settings_off_the_exact_path(tiny_checkpoint, tmp_path, compile_cache):
     from onpolicy.segments import KSegments
 
     cases = {name: args for name, (args, _) in REFUSALS.items()}
     plan = {"ckpt": str(tiny_checkpoint), "refuse": cases}
-    got = _run_worker(plan, 1, tmp_path / "w1")["refusals"]
+    got = _run_worker(plan, 1, tmp_path / "w1", compile_cache)["refusals"]
     # A TP2 EP1 engine (MoE TP 2) in a run whose other side leaves the experts whole: S = 1, so
     # the engine's two shards of the expert K would split its one segment.
     run = KSegments(attention=2, experts=1)
     got |= _run_worker({"ckpt": str(tiny_checkpoint), "refuse": {"inexact_tp": {"tp": 2}}}, 2,
-                       tmp_path / "w2", segments=run)["refusals"]  # fmt: skip
+                       tmp_path / "w2", compile_cache, segments=run)["refusals"]  # fmt: skip
     rules = {name: rule for name, (_, rule) in REFUSALS.items()} | {
         "inexact_tp": "expert_k_segments"
     }
@@ -401,7 +402,7 @@ def test_engine_refuses_settings_off_the_exact_path(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-def test_expert_k_that_the_block_tree_could_not_split_is_exact_in_segments(tmp_path):
+def test_expert_k_that_the_block_tree_could_not_split_is_exact_in_segments(tmp_path, compile_cache):
     """moe_intermediate_size 192 (a 128-block and a 64-wide one) at MoE TP 2 (TP2 EP1): 96-wide
     shards are no subtree of that block tree, so one tree over K was refused here. The run cuts
     it into S = 2 segments (ONPOLICY_K_SEGMENTS), one a rank: the sampled log-probs equal the
@@ -420,7 +421,8 @@ def test_expert_k_that_the_block_tree_could_not_split_is_exact_in_segments(tmp_p
     engine = {"tp": 2, "ep": 1, "dtype": "float32", "chunked_prefill_size": -1,
               "disable_radix_cache": True}  # fmt: skip
     spec = {"name": "k192", "engine": engine, "batches": [COBATCH]}
-    res = _run_worker({"ckpt": str(ckpt), "runs": [spec]}, 2, tmp_path / "w", segments=run)
+    res = _run_worker({"ckpt": str(ckpt), "runs": [spec]}, 2, tmp_path / "w", compile_cache,
+                      segments=run)  # fmt: skip
     answers = list(zip(COBATCH["requests"], res["runs"]["k192"]["batches"][0], strict=True))
     counts = {}
     for name, segments in {"S=2": run, "S=1": KSegments(attention=2, experts=1)}.items():

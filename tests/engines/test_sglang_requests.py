@@ -44,12 +44,12 @@ REQUESTS = [
 """The bad requests, then a valid one (sent after them, to the same engine)."""
 
 
-def _env(tmp: Path) -> dict[str, str]:
+def _env(cache: Path) -> dict[str, str]:
     from onpolicy.rollout import engine_env
 
     overlay = [str(REPO / "build" / "upstream" / "sglang")] if _overlay() else []
     path = [*overlay, str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, **engine_env(1, tmp), "PYTHONPATH": os.pathsep.join(path)}
+    return {**os.environ, **engine_env(1, cache), "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _overlay() -> bool:
@@ -58,7 +58,7 @@ def _overlay() -> bool:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint, tmp_path_factory):
+def engine(tiny_checkpoint, tmp_path_factory, compile_cache):
     """stock? -> the worker's result for REQUESTS; each engine runs once, when first asked for."""
 
     @functools.cache
@@ -68,7 +68,9 @@ def engine(tiny_checkpoint, tmp_path_factory):
         (tmp / "plan.json").write_text(json.dumps(plan))
         out = tmp / "result.json"
         cmd = [sys.executable, str(WORKER), "--plan", str(tmp / "plan.json"), "--out", str(out)]
-        p = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=900)
+        p = subprocess.run(
+            cmd, env=_env(compile_cache), capture_output=True, text=True, timeout=900
+        )
         if p.returncode != 0:
             pytest.fail(f"SGLang requests worker exited {p.returncode}\n{p.stderr[-8000:]}")
         res = json.loads(out.read_text())

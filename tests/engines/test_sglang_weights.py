@@ -56,7 +56,7 @@ def checkpoints(tiny_checkpoint, tmp_path_factory) -> dict[int, Path]:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def engine_run(request, checkpoints, tmp_path_factory):
+def engine_run(request, checkpoints, tmp_path_factory, compile_cache):
     tp, ep, dtype, stock = LAYOUTS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     out = tmp / "result.json"
@@ -65,7 +65,7 @@ def engine_run(request, checkpoints, tmp_path_factory):
            "--out", str(out), "--tp", str(tp), "--ep", str(ep), "--dtype", dtype,
            "--new-tokens", str(NEW_TOKENS), "--temperature", str(TEMPERATURE),
            "--prompts", json.dumps(PROMPTS)] + (["--stock"] if stock else [])  # fmt: skip
-    env = engine_env(tp, tmp, base=os.environ)
+    env = engine_env(tp, compile_cache, base=os.environ)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
         pytest.fail(f"engine {request.param} exited {p.returncode}\n{p.stderr[-8000:]}")

@@ -53,11 +53,11 @@ def test_the_pairs_are_exact_by_the_contract(name, engine):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, compile_cache):
     work = tmp_path_factory.mktemp("weight-sync")
     start = write_tiny_checkpoint(work / "ckpt-a", seed=0)
     key = secrets.token_hex(16)
-    hosts = [EngineHost.start(n, start, work / "hosts", tp=tp, ep=ep, key=key)
+    hosts = [EngineHost.start(n, start, work / "hosts", tp=tp, ep=ep, key=key, cache=compile_cache)
              for n, (tp, ep) in ENGINES.items()]  # fmt: skip
     try:
         for h in hosts:

@@ -192,16 +192,18 @@ class EngineHost:
     @classmethod
     def start(cls, name: str, ckpt: str | os.PathLike, workdir: str | os.PathLike, *, tp: int = 1,
               ep: int = 1, dtype: str = "bfloat16", exact: bool = True,
-              key: str | None = None, engine_args: dict | None = None) -> EngineHost:  # fmt: skip
+              key: str | None = None, engine_args: dict | None = None,
+              cache: str | os.PathLike | None = None) -> EngineHost:  # fmt: skip
         """Start a host for an engine on `ckpt`; `wait()` for it to serve. `key`: the authkey
         (hex) to share with this host's clients; a fresh one by default. `engine_args`: further
-        `exact_engine_args` keywords (JSON-safe), e.g. {"return_routed_experts": True}."""
+        `exact_engine_args` keywords (JSON-safe), e.g. {"return_routed_experts": True}.
+        `cache`: the folder of the compile caches (`engine_env`); `workdir`/cache by default."""
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
         addr, log = work / f"{name}.address.json", work / f"{name}.log"
         addr.unlink(missing_ok=True)
         key = key or secrets.token_hex(16)
-        env = E.engine_env(tp, work / "cache", base=clean_env())
+        env = E.engine_env(tp, cache or work / "cache", base=clean_env())
         env[KEY_ENV] = key
         cmd = [sys.executable, "-m", "onpolicy.rollout.host", "--ckpt", str(ckpt), "--tp", str(tp),
                "--ep", str(ep), "--dtype", dtype, "--address-file", str(addr),

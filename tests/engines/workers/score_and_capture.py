@@ -1,9 +1,11 @@
-"""One torchrun job: the exact Megatron model scores given sequences with their routed experts.
+"""One torchrun job for the routing and `--bisect` checks: the exact Megatron model scores given
+sequences with their routed experts, then captures `--bisect`'s points on others.
 
-Every rank loads its shard of the HF checkpoint into the exact spec at the layout and calls
-`onpolicy.train.logprobs.logprobs(..., routes=True)`; global rank 0 saves
-{"logprobs": [fp32 per sequence], "routes": [int32 [len, layers, top_k] per sequence]} to
---out (torch.save).
+Every rank loads its shard of the HF checkpoint into the exact spec at the layout, calls
+`onpolicy.train.logprobs.logprobs(..., routes=True)` on --sequences (global rank 0 saves
+{"logprobs": [fp32 per sequence], "routes": [int32 [len, layers, top_k] per sequence]} to --out,
+torch.save), then for each (tokens, out_dir) pair in --jobs calls
+`onpolicy.train.capture.capture_logprobs`, which writes every rank's rows into out_dir.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--sequences", required=True, help="JSON list of token-id lists")
+    ap.add_argument("--jobs", required=True, help="JSON file: [{tokens, out_dir}]")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--mb-tokens", type=int, default=4096)
     ap.add_argument("--out", required=True)
@@ -29,6 +32,7 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
     from onpolicy.train.builder import init_parallel, load_model, set_seed
+    from onpolicy.train.capture import capture_logprobs
     from onpolicy.train.logprobs import logprobs
 
     layout = ParallelLayout.from_args(args)
@@ -42,6 +46,8 @@ def main() -> None:
         torch.save({"logprobs": values, "routes": routes}, args.out)
     else:
         assert got is None
+    for job in json.loads(Path(args.jobs).read_text()):
+        capture_logprobs(model, job["tokens"], args.temperature, job["out_dir"])
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()

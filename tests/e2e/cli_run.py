@@ -1,0 +1,161 @@
+"""One `onpolicy e2e` process as the e2e tests run it, and what they check of its output.
+
+Each run is the CLI in its own process, with a run id in its environment that every process of
+the run inherits; while it runs, a thread records every listening socket of those processes,
+and `check_clean` checks that none of them is left once it has exited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+ABS_DIFF, KL = "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl"
+
+
+def run_processes(run_id: str) -> list[int]:
+    from onpolicy.grpo.procs import run_processes as found
+
+    return found(run_id)
+
+
+def _default_sigint() -> None:
+    """The run takes Ctrl-C as a terminal would deliver it, even where pytest itself was started
+    in the background of a script, which hands its children SIGINT ignored (and Python then
+    installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Run:
+    """One `onpolicy e2e --config <config>` process and what was seen of it. `cache` is the
+    session's compile cache (run.cache_dir)."""
+
+    def __init__(self, config: Path, out: Path, *args: str, steps: int, log: str = "",
+                 cache: Path | None = None) -> None:  # fmt: skip
+        self.out, self.run_id = out, uuid.uuid4().hex
+        env = {**os.environ, "ONPOLICY_RUN_ID": self.run_id,
+               "PYTHONPATH": os.pathsep.join([str(REPO / "integration"),
+                                              os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        cmd = [sys.executable, "-m", "onpolicy.cli", "e2e", "--config", str(config), "--out",
+               str(out), "--steps", str(steps), "--set", "run.progress=false",
+               "--set", "run.wandb_mode=offline", *args]  # fmt: skip
+        if cache is not None:
+            cmd += ["--set", f"run.cache_dir={json.dumps(str(cache))}"]
+        self.log = out.parent / f"{log or out.name}.log"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log.open("w")
+        self.t0 = time.perf_counter()
+        self.wall_s = 0.0
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=REPO, preexec_fn=_default_sigint)  # fmt: skip
+        self.listeners: set[tuple[str, int, str]] = set()
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._listen, daemon=True)
+        self._watch.start()
+
+    def _listen(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            pids = set(run_processes(self.run_id)) | {self.proc.pid}
+            try:
+                conns = psutil.net_connections(kind="inet")
+            except psutil.Error:
+                conns = []
+            for c in conns:
+                if c.status == psutil.CONN_LISTEN and c.pid in pids:
+                    try:
+                        name = psutil.Process(c.pid).name()
+                    except psutil.Error:
+                        name = "?"
+                    self.listeners.add((c.laddr.ip, c.laddr.port, name))
+            time.sleep(1.0)
+
+    def until(self, ready, timeout: float = 900) -> bool:
+        """Poll `ready()` while the run lives; True once it holds, False if the run ended (or
+        `timeout` passed) first."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if ready():
+                return True
+            time.sleep(0.2)
+        return False
+
+    def wait(self, timeout: float = 900) -> int:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.wall_s = time.perf_counter() - self.t0
+            self._stop.set()
+            self._watch.join()
+            self._log.close()
+        return self.proc.returncode
+
+    @property
+    def code(self) -> int | None:
+        return self.proc.returncode
+
+    @property
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def metrics(self) -> list[dict]:
+        from onpolicy.grpo.metrics import read_metrics
+
+        return read_metrics(self.out / "metrics.jsonl")
+
+    def samples(self, name: str) -> list[dict]:
+        lines = (self.out / "samples" / f"{name}.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in lines]
+
+    def latest(self) -> int | None:
+        """The step `checkpoints/latest` names, None before the first save."""
+        try:
+            return int((self.out / "checkpoints" / "latest").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def check_clean(self) -> None:
+        """No process of the run is left (the driver reaps; this checks it did)."""
+        left = run_processes(self.run_id)
+        assert not left, f"processes of the run left after exit: {left}\n{self.text[-3000:]}"
+
+
+def steady(row: dict) -> dict:
+    """A step's metrics without the wall times (which differ between runs)."""
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
+
+
+def weights(out: Path, iteration: int) -> dict[str, torch.Tensor]:
+    from onpolicy.checkpoint import torch_dist
+
+    return torch_dist.global_tensors(out / "checkpoints" / f"iter_{iteration:07d}")
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    from onpolicy.bits import as_bits
+
+    assert sorted(a) == sorted(b)
+    differ = [k for k in a if not torch.equal(as_bits(a[k]), as_bits(b[k]))]
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
+
+
+def assert_on_policy(rows: list[dict], steps: int, text: str = "") -> None:
+    """Every step of `rows` (1..steps) trained on exactly the rollout's log-probs and routes."""
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), text[-3000:]
+    for r in rows:
+        assert r[ABS_DIFF] == 0.0 and r[KL] == 0.0, r
+        assert r["train/logprob_equal_frac"] == 1.0 and r["train/tokens_compared"] > 0, r
+        assert r["train/routing_mismatch"] == 0.0 and r["train/routing_rows"] > 0, r
