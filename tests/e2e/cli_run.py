@@ -43,12 +43,15 @@ class Run:
     def __init__(self, config: Path, out: Path, *args: str, steps: int, log: str = "",
                  cache: Path | None = None) -> None:  # fmt: skip
         self.out, self.run_id = out, uuid.uuid4().hex
-        env = {**os.environ, "ONPOLICY_RUN_ID": self.run_id,
-               "PYTHONPATH": os.pathsep.join([str(REPO / "integration"),
-                                              os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
         cmd = [sys.executable, "-m", "onpolicy.cli", "e2e", "--config", str(config), "--out",
-               str(out), "--steps", str(steps), "--set", "run.progress=false",
-               "--set", "run.wandb_mode=offline", *args]  # fmt: skip
+               str(out), "--run-id", self.run_id, "--steps", str(steps),
+               "--set", "run.progress=false", "--set", "run.wandb_mode=offline", *args]  # fmt: skip
         if cache is not None:
             cmd += ["--set", f"run.cache_dir={json.dumps(str(cache))}"]
         self.log = out.parent / f"{log or out.name}.log"

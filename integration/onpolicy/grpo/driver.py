@@ -85,11 +85,13 @@ class Driver:
     """The loop of one run: setup, steps, checkpoints, bisect; the cluster runs the actors."""
 
     def __init__(self, e: E2EConfig, *, resume: bool = False, last_step: int | None = None,
-                 log=print) -> None:  # fmt: skip
+                 log=print, run_id: str | None = None) -> None:  # fmt: skip
         self.e, self.log = e, log
         self.out = e.out_dir
         self.resume = resume
-        run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex
+        # A fresh id unless the caller names one: one inherited from the environment could
+        # mark processes that are not the run's.
+        run_id = run_id or uuid.uuid4().hex
         os.environ[RUN_ID_ENV] = run_id
         self.cluster = Cluster(e, run_id=run_id, authkey=secrets.token_hex(16))
         self.engine_info: list[dict] = []

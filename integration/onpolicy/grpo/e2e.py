@@ -78,7 +78,7 @@ def _violation_record(v: OnPolicyViolation) -> dict:
 
 
 def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = False,
-        console=None) -> int:  # fmt: skip
+        console=None, run_id: str | None = None) -> int:  # fmt: skip
     """Run the config's GRPO loop; the exit code (see the module doc). `console` (default: the
     sys.stderr of the moment, not of import time) gets the run's messages."""
     from onpolicy.grpo.metrics import MetricsLogger
@@ -89,7 +89,7 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         print(msg, file=console, flush=True)
 
     total = steps if steps is not None else e.grpo.steps
-    driver = Driver(e, resume=resume, last_step=total, log=say)
+    driver = Driver(e, resume=resume, last_step=total, log=say, run_id=run_id)
     logger, rows, code, graceful = None, [], 0, True
     t0 = time.perf_counter()
     try:
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bisect", action="store_true",
                     help="on a true-on-policy violation, rerun the sample on both engines with "
                     "per-layer captures and name the first layer and op that differ")  # fmt: skip
+    ap.add_argument("--run-id", help="the id that marks every process of the run, for teardown "
+                    "to find and for tools to watch (default: a fresh one)")  # fmt: skip
     args = ap.parse_args(argv)
     from onpolicy.contract import ContractError, parse_override
     from onpolicy.grpo.config import load_e2e_config
@@ -198,4 +200,4 @@ def main(argv: list[str] | None = None) -> int:
     except ContractError as err:
         print(f"onpolicy e2e: {args.config}: {err}", file=sys.stderr)
         return 2
-    return run(e, resume=args.resume, bisect=args.bisect)
+    return run(e, resume=args.resume, bisect=args.bisect, run_id=args.run_id)

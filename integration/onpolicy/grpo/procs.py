@@ -13,15 +13,32 @@ from pathlib import Path
 
 RUN_ID_ENV = "ONPOLICY_RUN_ID"
 """Set in the driver and inherited by every process of the run (Ray's head and workers, the
-engines' schedulers): how teardown finds what is left of the run."""
+engines' schedulers): how teardown finds what is left of the run. The driver sets a fresh id
+(or the one `onpolicy e2e --run-id` names); an id inherited from its own environment is not
+reused, so a run never counts the shell or tool that started it as one of its processes."""
+
+
+def ancestors(pid: int | None = None) -> set[int]:
+    """`pid` (default: this process) and every process above it, up to init."""
+    pid = os.getpid() if pid is None else pid
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return seen
 
 
 def run_processes(run_id: str) -> list[int]:
-    """Pids of live processes (not this one) that carry the run's id in their environment."""
+    """Pids of live processes that carry the run's id in their environment, never this process
+    or one above it (the driver's own parents are not the run's, whatever they inherited)."""
     found = []
     needle = f"{RUN_ID_ENV}={run_id}".encode()
+    spare = ancestors()
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
+        if not d.name.isdigit() or int(d.name) in spare:
             continue
         try:
             env = (d / "environ").read_bytes()

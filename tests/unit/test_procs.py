@@ -1,0 +1,69 @@
+"""The run's process marking: teardown reaps the run's processes and never the ones above it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+from onpolicy.grpo.procs import RUN_ID_ENV, ancestors, run_processes
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The "driver": it starts a process of the run (a sleeper, which inherits the id), then reaps.
+DRIVER = textwrap.dedent("""
+    import json, subprocess, sys
+    from onpolicy.grpo.procs import reap
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    left = reap(sys.argv[1], grace_s=0.2)
+    child.wait(10)
+    print(json.dumps({"child": child.pid, "left": left, "child_rc": child.returncode}))
+""")
+# A shell-like parent that carries the run id too (as `ONPOLICY_RUN_ID=x nox -s e2e` would):
+# it runs the driver and reports whether it outlived the reap.
+PARENT = textwrap.dedent("""
+    import subprocess, sys
+    p = subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], capture_output=True,
+                       text=True, timeout=60)
+    sys.stdout.write(p.stdout)
+    sys.stderr.write(p.stderr)
+    sys.exit(p.returncode)
+""")
+
+
+def test_reap_kills_the_runs_processes_and_spares_the_drivers_ancestors():
+    run_id = uuid.uuid4().hex
+    env = {**os.environ, RUN_ID_ENV: run_id,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "integration"),
+                                          os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", PARENT, DRIVER, run_id], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    # Reaping the parent would have ended it by SIGKILL (-9) before it printed anything.
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    got = json.loads(p.stdout)
+    assert got["child_rc"] == -9, got
+    assert len(got["left"]) == 1 and got["left"][0].startswith(f"{got['child']} "), got
+    assert run_processes(run_id) == []
+
+
+def test_ancestors_walks_up_to_init():
+    mine = ancestors()
+    assert os.getpid() in mine and os.getppid() in mine
+    assert 1 not in mine
+
+
+def test_the_driver_takes_a_fresh_run_id_unless_one_is_named(monkeypatch):
+    from onpolicy.grpo.config import load_e2e_config
+    from onpolicy.grpo.driver import Driver
+
+    monkeypatch.setenv(RUN_ID_ENV, "inherited")
+    e = load_e2e_config(REPO / "configs" / "tiny-cpu.toml")
+    fresh = Driver(e).cluster.run_id
+    assert fresh != "inherited" and len(fresh) == 32 and os.environ[RUN_ID_ENV] == fresh
+    assert Driver(e).cluster.run_id != fresh
+    assert Driver(e, run_id="named").cluster.run_id == "named"
+    assert os.environ[RUN_ID_ENV] == "named"
