@@ -78,8 +78,9 @@ class RolloutActor:
             multiprocessing.current_process().authkey = bytes.fromhex(s.authkey)
         # sleep_on_idle: an idle scheduler waits on its sockets instead of spinning, which on
         # CPU would take cores from the trainer while it trains and syncs.
-        extra: dict[str, Any] = {"device": s.device, "mem_fraction_static": s.mem_fraction,
-                                 "sleep_on_idle": True}  # fmt: skip
+        extra: dict[str, Any] = {"device": s.device, "sleep_on_idle": True}
+        if s.device == "cuda":  # on CPU the pool is sized in tokens (exact_engine_args)
+            extra["mem_fraction_static"] = s.mem_fraction
         if s.routes:
             extra["return_routed_experts"] = True
         if s.device == "cuda":

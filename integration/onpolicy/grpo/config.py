@@ -84,10 +84,9 @@ class GRPOConfig:
     filter_max_batches: int = 4
     """With filter_groups: prompt batches (of prompts_per_step) one step samples at most."""
     engine_mem_fraction: float = 0.5
-    """SGLang's mem_fraction_static. On GPU: the share of memory for weights and KV cache. On
-    CPU SGLang sizes the KV cache from free host memory measured before and after loading the
-    weights, so this is also the share of that memory other processes starting beside the
-    engine (the trainer ranks) may take meanwhile without failing its start."""
+    """SGLang's mem_fraction_static on GPU: the share of memory for weights and KV cache. A CPU
+    engine's KV pool is a fixed number of tokens instead (`rollout.exact_engine_args`), so its
+    start does not depend on what the processes beside it take meanwhile."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

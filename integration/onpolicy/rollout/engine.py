@@ -82,7 +82,10 @@ def exact_engine_args(
         "disable_cuda_graph": True,
         "page_size": 1,
         "disable_radix_cache": disable_radix_cache,
-        "mem_fraction_static": 0.05,
+        # On CPU SGLang sizes the KV pool from the host's free memory, measured before and
+        # after the weights load, less (1 - fraction) of it: at 0.99 memory a neighbour takes
+        # meanwhile cannot fail the start, and the pool is max_total_tokens.
+        "mem_fraction_static": 0.99 if device == "cpu" else 0.05,
         "max_total_tokens": 4096,
         "random_seed": 1234,
         "log_level": "error",
