@@ -1,4 +1,5 @@
-"""Durable file writes: fsync a path, write a file synced, write a file atomically.
+"""Durable file writes: fsync a path, write a file synced, write a file atomically; and the
+exclusive lock a process holds on an output folder while it writes there.
 
 `write_atomic` is the one way the package replaces a file that readers may see: the data goes
 to a temporary sibling in the same folder, is fsynced, renamed over the target, and the folder
@@ -11,11 +12,16 @@ Imports nothing from onpolicy, so every layer may use it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 from pathlib import Path
+from typing import IO
 
-__all__ = ["fsync_path", "write_atomic", "write_synced"]
+__all__ = ["FolderLocked", "fsync_path", "lock_folder", "write_atomic", "write_synced"]
+
+LOCK_NAME = ".lock"
+"""The lock file inside a locked folder (it holds the holder's pid)."""
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -60,3 +66,30 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o66
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+class FolderLocked(OSError):
+    """Another process holds the folder's lock."""
+
+
+def lock_folder(folder: str | os.PathLike) -> IO[str]:
+    """Take the exclusive lock of `folder` (created if missing) for as long as the returned file
+    stays open (closing it, or the process ending, releases it); FolderLocked naming the
+    holder's pid if another process has it. An advisory flock: every writer of a run folder
+    takes it before its first write."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    f = open(folder / LOCK_NAME, "a+")  # noqa: SIM115 - the caller holds it open
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise FolderLocked(f"{folder} is locked by process {holder} (another run or convert "
+                           "writes there)") from None  # fmt: skip
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f

@@ -143,7 +143,6 @@ def test_bad_input_exits_2_before_any_engine(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(RUN_ID_ENV, uuid.uuid4().hex)  # the driver sets it: restored after
     nolabel = tmp_path / "nolabel.jsonl"
     nolabel.write_text(json.dumps({"prompt": "What is 1 + 1?"}) + "\n")
-    out = tmp_path / "run"
     cases = [
         ({"data.train_file": str(tmp_path / "missing.jsonl")}, "[data_file]"),
         ({"data.label_key": "answer"}, "[data_keys]"),
@@ -154,7 +153,8 @@ def test_bad_input_exits_2_before_any_engine(tmp_path, monkeypatch, capsys):
         ({"data.eval_file": str(nolabel)}, "[data_keys]"),
         ({"grpo.prompts_per_step": 64, "grpo.steps": 2}, "[data_epochs]"),
     ]  # fmt: skip
-    for sets, rule in cases:
+    for i, (sets, rule) in enumerate(cases):
+        out = tmp_path / f"run{i}"  # a refused run leaves its config behind: a fresh --out each
         args = ["--config", str(CONFIG), "--out", str(out), "--set", "run.wandb_mode=disabled"]
         args += [x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")]
         assert main(args) == 2, sets

@@ -40,7 +40,7 @@ import torch
 from onpolicy.compare import Mismatch, compare, logprob_metrics
 from onpolicy.contract import ContractError
 from onpolicy.contract import model_checkpoint as checkpoint
-from onpolicy.fsutil import write_atomic
+from onpolicy.fsutil import LOCK_NAME, FolderLocked, lock_folder, write_atomic
 from onpolicy.grpo.advantages import group_advantages
 from onpolicy.grpo.cluster import Cluster, RunError
 from onpolicy.grpo.config import E2EConfig
@@ -49,6 +49,7 @@ from onpolicy.grpo.filtering import fill, select_groups
 from onpolicy.grpo.procs import RUN_ID_ENV
 from onpolicy.grpo.rewards import RewardError, reward_metrics
 from onpolicy.grpo.tasks import Task, TaskContext, make_task
+from onpolicy.models.hf_layout import CheckpointError
 
 EVAL_SEEDS = 1 << 19
 """Eval sample i of step s samples with seed `sampling_seed(s, EVAL_SEEDS + i)`: apart from the
@@ -100,6 +101,8 @@ class Driver:
         """The HF checkpoint the run starts from."""
         self.resume_from: Path | None = None
         """The torch-dist checkpoint root `--resume` continues from."""
+        self._lock = None
+        """The run folder's lock (`fsutil.lock_folder`), held from setup to `release`."""
         self.start_step = 0
         """The last step already done (0 on a fresh run)."""
         self.task: Task | None = None
@@ -129,16 +132,29 @@ class Driver:
         from onpolicy.checkpoint import torch_dist
 
         t0 = time.perf_counter()
-        self.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
-        self.ckpt = checkpoint(self.e.cfg, self.out)
+        # The folder is checked and locked before anything is written to it.
+        if not self.resume and self.out.is_dir():
+            found = sorted(p.name for p in self.out.iterdir() if p.name != LOCK_NAME)
+            if found:
+                names = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+                raise RunError(f"[run_out] run.out = {self.out} is not empty ({names}): pass "
+                               "--resume to continue its run, or a new --out", 2)  # fmt: skip
+        try:
+            self._lock = lock_folder(self.out)
+        except FolderLocked as err:
+            raise RunError(f"[run_lock] {err}", 2) from None
         if self.resume:
             root = self.out / "checkpoints"
-            it = torch_dist.read_tracker(root) if root.exists() else None
+            try:
+                it = torch_dist.read_tracker(root) if root.exists() else None
+            except CheckpointError as err:
+                raise RunError(f"--resume: {err}", 2) from None
             if it is None:
                 raise RunError(f"--resume: no checkpoint under {root} (run.checkpoint_every "
                                "saves one every N steps)", 2)  # fmt: skip
             self.resume_from, self.start_step = root, it
+        write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
+        self.ckpt = checkpoint(self.e.cfg, self.out)
         self._make_task()  # every problem with the data is refused here, before Ray starts
         self.engine_info = self.cluster.start(self.ckpt, self.resume_from)
         write_atomic(self.out / "actors.json", json.dumps(self.cluster.pids, indent=1) + "\n")
@@ -443,6 +459,17 @@ class Driver:
         if self.task is not None:
             self.task.close()  # the reward pool's processes carry the run's id too
         return self.cluster.teardown(graceful)
+
+    @property
+    def owns_out(self) -> bool:
+        """Whether this run holds its folder's lock (it may write there)."""
+        return self._lock is not None
+
+    def release(self) -> None:
+        """Release the run folder's lock (after the run's last write)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
 
 def _std(xs: list[float]) -> float:

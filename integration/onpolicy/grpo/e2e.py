@@ -144,8 +144,9 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         if any(used):
             code = code or 3
     wall = time.perf_counter() - t0
-    if driver.out.is_dir():
+    if driver.owns_out:  # a run refused at its folder writes nothing there
         _write(driver.out / "times.json", {**driver.times, "wall_s": wall, "exit": code})
+    driver.release()
     if rows:
         say(format_table(rows))
     if "teardown_s" in driver.times:
