@@ -39,15 +39,16 @@ def validate_main(argv: list[str]) -> int:
     from onpolicy.contract import (
         ContractError,
         format_plan,
-        load_config,
         parse_override,
         plan_dict,
         resolve_plan,
     )
+    from onpolicy.grpo.config import load_e2e_config
 
     try:
         overrides = dict(parse_override(item) for item in args.set)
-        cfg = load_config(args.config, overrides)
+        # The whole file, loop tables included, checked exactly as `onpolicy e2e` checks it.
+        cfg = load_e2e_config(args.config, overrides).cfg
         plan = resolve_plan(cfg)
     except ContractError as e:
         print(f"onpolicy validate: {args.config}: {e}", file=sys.stderr)

@@ -101,6 +101,40 @@ def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "[config_file]" in capsys.readouterr().err
 
 
+def test_unreadable_configs_exit_2_naming_the_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 8)
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    for path, what in ((tmp_path, "is a directory"), (binary, "is not UTF-8 text"),
+                       (deep, "nests its tables or arrays too deeply")):  # fmt: skip
+        assert main(["validate", "--config", str(path)]) == 2, path
+        err = capsys.readouterr().err
+        assert "[config_file]" in err and what in err and "Traceback" not in err, err
+
+
+def test_the_loop_tables_are_checked_as_e2e_checks_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY.read_text().replace("temperature = 1.0", "temprature = 1.0"))
+    assert main(["validate", "--config", str(bad)]) == 2
+    assert "unknown config key 'grpo.temprature'" in capsys.readouterr().err
+    for key, value, rule, what in (
+        ("optimizer.lr", "-1e-3", "optimizer_config", "lr must be above 0, got -0.001"),
+        ("optimizer.clip_grad", "-1.0", "optimizer_config", "clip_grad must be >= 0"),
+        ("optimizer.adam_beta2", "1.0", "optimizer_config", "adam_beta2 must be in [0, 1)"),
+        ("run.actor_timeout_s", "0", "run_config", "run.actor_timeout_s = 0"),
+        ("loss.eps_clip_low", "1.5", "loss_config", "eps_clip_low must be in [0, 1)"),
+        ("grpo.temperature", "0.0", "grpo_config", "grpo.temperature = 0.0 must be above 0"),
+    ):  # fmt: skip
+        assert main(["validate", "--config", str(TINY), "--set", f"{key}={value}"]) == 2, key
+        err = capsys.readouterr().err
+        assert f"[{rule}]" in err and what in err, err
+
+
 def test_usage_and_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "onpolicy validate --config FILE [--set KEY=VALUE ...]" in capsys.readouterr().out

@@ -229,11 +229,23 @@ def read_toml(path: str | Path) -> dict:
     """A config file's TOML data; a missing file or bad syntax is a ContractError."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ContractError(
             "config_file", f"no config file at {p}", "pass --config with an existing file"
         ) from None
+    except IsADirectoryError:
+        raise ContractError("config_file", f"{p} is a directory",
+                            "pass --config with a TOML file") from None  # fmt: skip
+    except OSError as e:
+        raise ContractError("config_file", f"{p} cannot be read: {e.strerror or e}",
+                            "pass --config with a readable TOML file") from None  # fmt: skip
+    except UnicodeDecodeError as e:
+        raise ContractError("config_file", f"{p} is not UTF-8 text (byte {e.start})",
+                            "pass --config with a TOML file") from None  # fmt: skip
+    except RecursionError:
+        raise ContractError("config_file", f"{p} nests its tables or arrays too deeply to read",
+                            "flatten it") from None  # fmt: skip
     except tomllib.TOMLDecodeError as e:
         raise ContractError("config_file", f"{p} is not valid TOML: {e}", "fix the syntax") from e
     return data

@@ -198,6 +198,9 @@ def _check(e: E2EConfig) -> None:
             f"grpo.rollout_path = 'stock' on device {e.cfg.device!r}",
             "the stock control runs on the CPU engine",
         )
+    if not r.actor_timeout_s > 0:
+        raise ContractError("run_config", f"run.actor_timeout_s = {r.actor_timeout_s}",
+                            "set the seconds one actor call may take, above 0")  # fmt: skip
     if r.checkpoint_every < 0:
         raise ContractError("run_config", f"run.checkpoint_every = {r.checkpoint_every}",
                             "set 0 (never) or a positive step count")  # fmt: skip

@@ -51,6 +51,21 @@ class OptimizerSettings:
     """Accumulate and reduce gradients in fp32 even for bf16 params (bf16 sums over
     micro-batches and DP ranks would round at every add)."""
 
+    def __post_init__(self) -> None:
+        # Checked here, before any rank starts: torch's AdamW would refuse some of these only
+        # inside a trainer actor, after the run had set up.
+        rules = [
+            (self.lr > 0.0 and self.lr < float("inf"), "lr must be above 0", self.lr),
+            (self.weight_decay >= 0.0, "weight_decay must be >= 0", self.weight_decay),
+            (0.0 <= self.adam_beta1 < 1.0, "adam_beta1 must be in [0, 1)", self.adam_beta1),
+            (0.0 <= self.adam_beta2 < 1.0, "adam_beta2 must be in [0, 1)", self.adam_beta2),
+            (self.adam_eps > 0.0, "adam_eps must be above 0", self.adam_eps),
+            (self.clip_grad >= 0.0, "clip_grad must be >= 0 (0: off)", self.clip_grad),
+        ]
+        for ok, rule, value in rules:
+            if not ok:
+                raise ValueError(f"OptimizerSettings: {rule}, got {value}")
+
 
 @dataclass(kw_only=True, slots=True)
 class PolicyMicroBatch:
