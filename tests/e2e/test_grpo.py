@@ -29,7 +29,7 @@ from cli_run import ABS_DIFF, Run, assert_on_policy, assert_same_weights, steady
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu.toml"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]  # its runs' fixture included
 
 
 def check_versions(rows: list[dict]) -> None:

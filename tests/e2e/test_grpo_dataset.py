@@ -26,7 +26,7 @@ from cli_run import ABS_DIFF, KL, Run, assert_on_policy
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu-math.toml"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # its runs' fixture included
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ def table(stdout: str) -> dict[str, tuple[int, int, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_parity_pairs_and_stock_controls(tmp_path):
     p = parity("--config", str(CONFIG), "--pairs", *EXACT_PAIRS, *CONTROLS,
                "--workdir", str(tmp_path), "--prompts", str(PROMPTS),

@@ -36,6 +36,7 @@ import pytest
 import torch
 from onpolicy.bits import mismatch_report, n_differ
 
+pytestmark = pytest.mark.timeout(2400)  # the TP1 worker's engines, run by its first test
 WORKER = Path(__file__).parent / "workers" / "sglang_exact.py"
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2-ep2": (2, 2)}
