@@ -7,6 +7,7 @@ and `check_clean` checks that none of them is left once it has exited.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,27 @@ def _default_sigint() -> None:
     in the background of a script, which hands its children SIGINT ignored (and Python then
     installs no KeyboardInterrupt handler)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+LIVE: set[Run] = set()
+"""Runs started and not yet waited for (`stop_all` ends them when a test fails or times out)."""
+
+
+def stop_all() -> None:
+    """Kill every run still live and every process of it: a test that failed or ran out of
+    time (pytest-timeout) leaves none running beside the next."""
+    for run in list(LIVE):
+        run.stop()
+
+
+@contextlib.contextmanager
+def stopped_on_error():
+    """A block (a fixture's runs) whose live runs are stopped if it raises or times out."""
+    try:
+        yield
+    except BaseException:
+        stop_all()
+        raise
 
 
 class Run:
@@ -65,6 +87,7 @@ class Run:
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._listen, daemon=True)
         self._watch.start()
+        LIVE.add(self)
 
     def _listen(self) -> None:
         import psutil
@@ -99,12 +122,28 @@ class Run:
             self.proc.wait(timeout)
         finally:
             if self.proc.poll() is None:
-                self.proc.kill()
+                self.stop()
+            self._done()
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        """Kill the driver and every process of the run."""
+        self.proc.kill()
+        self.proc.wait()
+        for pid in run_processes(self.run_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self._done()
+
+    def _done(self) -> None:
+        if self in LIVE:
+            LIVE.discard(self)
             self.wall_s = time.perf_counter() - self.t0
             self._stop.set()
             self._watch.join()
             self._log.close()
-        return self.proc.returncode
 
     @property
     def code(self) -> int | None:

@@ -24,7 +24,15 @@ import signal
 from pathlib import Path
 
 import pytest
-from cli_run import ABS_DIFF, Run, assert_on_policy, assert_same_weights, steady, weights
+from cli_run import (
+    ABS_DIFF,
+    Run,
+    assert_on_policy,
+    assert_same_weights,
+    steady,
+    stopped_on_error,
+    weights,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu.toml"
@@ -49,18 +57,18 @@ def _run(out: Path, *args: str, steps: int = 2, log: str = "", cache: Path) -> R
 def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
     """`base`, then `killed` and its resume, shared by the tests below."""
     root = tmp_path_factory.mktemp("e2e")
-    base = _run(root / "base", "--set", "run.checkpoint_every=1", cache=compile_cache)
-    base.wait()
-    killed = _run(root / "killed", "--set", "run.checkpoint_every=1", cache=compile_cache)
-
-    if killed.until(lambda: killed.latest() == 1):
-        pid = json.loads((killed.out / "actors.json").read_text())["trainer rank 3"]
-        os.kill(pid, signal.SIGKILL)
-    killed.wait()
-    resumed = _run(root / "killed", "--resume", "--set", "run.checkpoint_every=1", log="resumed",
-                   cache=compile_cache)  # fmt: skip
-    resumed.wait()
-    return {"base": base, "killed": killed, "resumed": resumed}
+    with stopped_on_error():
+        base = _run(root / "base", "--set", "run.checkpoint_every=1", cache=compile_cache)
+        base.wait()
+        killed = _run(root / "killed", "--set", "run.checkpoint_every=1", cache=compile_cache)
+        if killed.until(lambda: killed.latest() == 1):
+            pid = json.loads((killed.out / "actors.json").read_text())["trainer rank 3"]
+            os.kill(pid, signal.SIGKILL)
+        killed.wait()
+        resumed = _run(root / "killed", "--resume", "--set", "run.checkpoint_every=1",
+                       log="resumed", cache=compile_cache)  # fmt: skip
+        resumed.wait()
+        return {"base": base, "killed": killed, "resumed": resumed}
 
 
 def test_tiny_e2e_is_on_policy_at_every_step(runs):

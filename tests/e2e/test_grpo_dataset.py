@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cli_run import ABS_DIFF, KL, Run, assert_on_policy
+from cli_run import ABS_DIFF, KL, Run, assert_on_policy, stopped_on_error
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu-math.toml"
@@ -32,16 +32,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # its runs' fixture 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("e2e-math")
-    sets = [x for kv in ("run.checkpoint_every=2", "run.wandb_mode=disabled", "training.world=4",
-                         "training.pp=1", "rollout.engines=1") for x in ("--set", kv)]  # fmt: skip
-    first = Run(CONFIG, root / "math", *sets, steps=4, log="first", cache=compile_cache)
-    if first.until(lambda: first.latest() == 2):
-        first.proc.send_signal(signal.SIGINT)
-    first.wait()
-    resumed = Run(CONFIG, root / "math", "--resume", *sets, steps=4, log="resumed",
-                  cache=compile_cache)  # fmt: skip
-    resumed.wait()
-    return {"first": first, "resumed": resumed}
+    with stopped_on_error():
+        sets = [x for kv in ("run.checkpoint_every=2", "run.wandb_mode=disabled",
+                             "training.world=4", "training.pp=1", "rollout.engines=1")
+                for x in ("--set", kv)]  # fmt: skip
+        first = Run(CONFIG, root / "math", *sets, steps=4, log="first", cache=compile_cache)
+        if first.until(lambda: first.latest() == 2):
+            first.proc.send_signal(signal.SIGINT)
+        first.wait()
+        resumed = Run(CONFIG, root / "math", "--resume", *sets, steps=4, log="resumed",
+                      cache=compile_cache)  # fmt: skip
+        resumed.wait()
+        return {"first": first, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
