@@ -95,7 +95,7 @@ def load(out_dir: str | Path, side: str) -> dict[tuple[int, str], Point]:
     rows: dict[tuple[int, str], dict[int, dict[int, torch.Tensor]]] = {}
     counts: dict[tuple[int, str], int] = {}
     for f in files:
-        for rec in torch.load(f, weights_only=False):
+        for rec in torch.load(f, weights_only=True):  # never code from a capture file
             key = (rec["layer"], rec["op"])
             index, count = rec["shard"] or (0, 1)
             if counts.setdefault(key, count) != count:

@@ -245,7 +245,7 @@ def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples
     cmd += ["--stock"] if pair.training_stock else []
     env = _env(resolve_plan(cfg).training_env)
     _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
-    return torch.load(folder / "scores.pt")
+    return torch.load(folder / "scores.pt", weights_only=True)
 
 
 def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
