@@ -2,13 +2,14 @@
 
 Each case is checked without torchrun: the refusal must name its rule and the values, and the
 CLI must exit 2 with it on stderr. The checkpoints here are folders laid out as `save` writes
-them (manifest, megatron-core's completion files), without tensor data, which no refusal
-reads; tests/engines/test_checkpoint_dist.py runs the real saves and loads.
+them (manifest, megatron-core's marker, torch's index and shard of one small tensor, not the
+model's); tests/engines/test_checkpoint_dist.py runs the real saves and loads.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,24 +23,34 @@ from onpolicy.models.tiny import TINY, tiny_hf_config
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "tiny-cpu.toml")
 SAVED = ParallelLayout(world=8, tp=2, pp=2, ep=2, sp=True)
+MARKER = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+"""megatron-core's metadata.json of a torch_dist checkpoint."""
 
 
 def make_checkpoint(root: Path, *, iteration: int = 1, layout: ParallelLayout = SAVED,
                     optimizer: dict | None = None, dtype: str = "bfloat16",
                     files: tuple[str, ...] = ("metadata.json", ".metadata")) -> Path:  # fmt: skip
-    """A root with iteration `iteration` as `torch_dist.save` lays it out (no tensor data)."""
+    """A root with iteration `iteration` as `torch_dist.save` lays it out: the manifest,
+    megatron-core's marker and torch's index (of one small tensor, not the model's)."""
+    import torch.distributed.checkpoint as dcp
+
     it_dir = torch_dist.iteration_dir(root, iteration)
     it_dir.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: torch saves as a single process
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(it_dir))
+    (it_dir / "metadata.json").write_text(json.dumps(MARKER))
+    for name in {"metadata.json", ".metadata"} - set(files):
+        (it_dir / name).unlink()
     config = tiny_hf_config(TINY)
     manifest = {
         "format_version": torch_dist.FORMAT_VERSION, "iteration": iteration,
         "model_config": config, "config_sha256": torch_dist.config_sha256(config),
         "dtype": dtype, "layout": torch_dist.layout_dict(layout),
         "has_optimizer": optimizer is not None, "optimizer": optimizer, "source_hf": None,
+        "files": torch_dist.file_hashes(it_dir),
     }  # fmt: skip
     (it_dir / torch_dist.MANIFEST).write_text(json.dumps(manifest))
-    for name in files:
-        (it_dir / name).write_text("{}")
     (root / torch_dist.TRACKER).write_text(f"{iteration}\n")
     return root
 
@@ -196,3 +207,69 @@ def test_hf_model_differing_from_the_run_is_refused(tmp_path, capsys):
                     "--out", str(tmp_path / "out"))  # fmt: skip
     assert code == 2 and "config_file" in err, err
     assert not (tmp_path / "out").exists()
+
+
+class _Payload:
+    """Unpickling this creates `marker`: what a planted `.metadata` would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _rehash(it_dir: Path) -> None:
+    """Record the folder's current files in its manifest, as a forger would."""
+    manifest = json.loads((it_dir / torch_dist.MANIFEST).read_text())
+    manifest["files"] = torch_dist.file_hashes(it_dir)
+    (it_dir / torch_dist.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_planted_metadata_pickle_is_refused_and_runs_nothing(tmp_path, capsys):
+    import pickle
+
+    root = make_checkpoint(tmp_path / "root")
+    it_dir = torch_dist.iteration_dir(root, 1)
+    marker = tmp_path / "ran"
+    (it_dir / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    _rehash(it_dir)  # the manifest forged too: the hashes alone cannot stop it
+    with pytest.raises(CheckpointError, match="io.open is not a class of torch's") as e:
+        torch_dist.read_manifest(root)
+    assert e.value.rule == "checkpoint_index" and not marker.exists()
+    with pytest.raises(CheckpointError):
+        torch_dist.global_tensors(root)
+    code, err = run(capsys, "dist-to-hf", "--ckpt", str(root), "--out", str(tmp_path / "hf"))
+    assert code == 2 and "checkpoint_index" in err and not marker.exists(), err
+
+
+def test_a_forged_marker_is_refused_with_the_rule(tmp_path):
+    root = make_checkpoint(tmp_path / "root")
+    it_dir = torch_dist.iteration_dir(root, 1)
+    (it_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    _rehash(it_dir)
+    with pytest.raises(CheckpointError, match="names backend 'zarr', not torch_dist") as e:
+        torch_dist.read_manifest(root)
+    assert e.value.rule == "checkpoint_index"
+
+
+def test_a_changed_or_added_file_is_refused_by_its_hash(tmp_path):
+    root = make_checkpoint(tmp_path / "root")
+    it_dir = torch_dist.iteration_dir(root, 1)
+    shard = next(it_dir.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=shard.name) as e:
+        torch_dist.read_manifest(root)
+    assert e.value.rule == "files"
+    shard.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))  # restored
+    torch_dist.read_manifest(root)
+    (it_dir / "extra.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="extra.distcp"):
+        torch_dist.read_manifest(root)
+
+
+def test_a_sound_folder_reads(tmp_path):
+    root = make_checkpoint(tmp_path / "root")
+    assert torch.equal(torch_dist.global_tensors(root)["w"], torch.arange(4.0))

@@ -5,7 +5,8 @@ A checkpoint root holds one folder per saved iteration and a tracker:
     ROOT/iter_0000002/        megatron-core's `dist_checkpointing` (torch_dist) files:
                               __{rank}_{i}.distcp, .metadata, metadata.json
                               + onpolicy-checkpoint.json (MANIFEST): model config, dtype,
-                              layout, iteration, optimizer, source HF folder
+                              layout, iteration, optimizer, source HF folder, and the
+                              sha256 of every other file
     ROOT/latest               the newest complete iteration, written last
 
 Every rank writes into `ROOT/.iter_{N:07d}.tmp`; only when megatron-core's save has returned
@@ -19,13 +20,20 @@ Model weights reshard to any layout that divides the model: the saved tensors ar
 saved `fully_reshardable` (the DistributedOptimizer's canonical, layout-free form), but it
 still cannot cross between layouts with a different number of chained sub-optimizers:
 megatron-core builds a separate expert optimizer exactly when EP > 1 or ETP != TP.
+
+Reading runs no code from the folder: before torch's reader sees it, every file's sha256 must
+be the manifest's, metadata.json must be megatron-core's torch_dist marker, and `.metadata`
+(a pickle, which torch's reader loads) must hold only the classes an index of tensors is made
+of (`METADATA_CLASSES`); anything else is refused with the rule named.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import shutil
 from dataclasses import fields
 from pathlib import Path
@@ -40,8 +48,9 @@ from onpolicy.models.hf_layout import CheckpointError
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 from onpolicy.train.megatron_model import unwrap
 
-FORMAT_VERSION = 1
-"""Version of the manifest's schema; a checkpoint of another version is refused."""
+FORMAT_VERSION = 2
+"""Version of the manifest's schema; a checkpoint of another version is refused. 2: the
+manifest holds every file's sha256."""
 MANIFEST = "onpolicy-checkpoint.json"
 """The onpolicy manifest inside an iteration folder."""
 TRACKER = "latest"
@@ -59,6 +68,18 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 OPTIMIZER_SETTINGS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
 """megatron-core OptimizerConfig fields the manifest records (onpolicy.train.step's names)."""
 LAYOUT_KEYS = ("world", "tp", "pp", "ep", "etp", "sp", "cp")
+METADATA_CLASSES = {
+    "pathlib": {"PosixPath"},  # torch's StorageMeta.checkpoint_id, where a save records it
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.metadata": {
+        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
+        "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "TensorWriteData", "WriteItem", "WriteItemType"},
+}  # fmt: skip
+"""What `.metadata` may name (and torch's dtypes): the classes of torch's checkpoint index."""
 MODEL_FIELDS_IGNORED = ("torch_dtype",)
 """Config fields that do not change the model: the stored dtype is checked on its own."""
 
@@ -215,8 +236,55 @@ def read_tracker(root: Path) -> int | None:
     return int(text)
 
 
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file in an iteration folder but the manifest, by name."""
+    out = {}
+    for f in sorted(folder.iterdir()):
+        if f.name == MANIFEST:
+            continue
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        out[f.name] = h.hexdigest()
+    return out
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Loads only what `METADATA_CLASSES` names, and torch's dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a class of torch's checkpoint index")
+
+
+def check_metadata(it_dir: Path) -> None:
+    """Refuse a `.metadata` that names anything but torch's checkpoint index classes, and a
+    metadata.json that is not megatron-core's torch_dist marker (before either is used)."""
+    try:
+        _IndexUnpickler(io.BytesIO((it_dir / ".metadata").read_bytes())).load()
+    except Exception as e:  # noqa: BLE001 - any failure to read it as an index is a refusal
+        raise refuse("checkpoint_index", it_dir / ".metadata", f"not torch's checkpoint index "
+                     f"({type(e).__name__}: {e})", "restore the folder from the writer; never "
+                     "load a checkpoint from an untrusted source") from None  # fmt: skip
+    try:
+        marker = json.loads((it_dir / "metadata.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise refuse("checkpoint_index", it_dir / "metadata.json", f"not valid JSON: {e}",
+                     "restore the folder from the writer") from None  # fmt: skip
+    backend = marker.get("sharded_backend") if isinstance(marker, dict) else marker
+    if backend != "torch_dist":
+        raise refuse("checkpoint_index", it_dir / "metadata.json",
+                     f"names backend {backend!r}, not torch_dist",
+                     "restore the folder from the writer")  # fmt: skip
+
+
 def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Rank 0, after every rank's shards are on disk: manifest, rename, then the tracker."""
+    manifest = {**manifest, "files": file_hashes(tmp)}
     write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     fsync_path(tmp)
     os.rename(tmp, final)
@@ -340,7 +408,7 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
         raise refuse("manifest", it_dir / MANIFEST, f"not valid JSON: {e}",
                      "restore the file from the writer") from e  # fmt: skip
     keys = ("format_version", "iteration", "model_config", "config_sha256", "dtype", "layout",
-            "has_optimizer", "optimizer", "source_hf")  # fmt: skip
+            "has_optimizer", "optimizer", "source_hf", "files")  # fmt: skip
     missing = [k for k in keys if k not in manifest] if isinstance(manifest, dict) else keys
     if missing:
         raise refuse("manifest", it_dir / MANIFEST, f"lacks {list(missing)}",
@@ -362,6 +430,15 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     if not isinstance(config, dict) or config_sha256(config) != manifest.get("config_sha256"):
         raise refuse("manifest", it_dir / MANIFEST, "model_config does not match its "
                      "config_sha256", "restore the file from the writer")  # fmt: skip
+    recorded = manifest["files"]
+    found = file_hashes(it_dir)
+    if not isinstance(recorded, dict) or found != recorded:
+        recorded = recorded if isinstance(recorded, dict) else {}
+        differ = sorted(n for n in set(found) | set(recorded) if found.get(n) != recorded.get(n))
+        raise refuse("files", it_dir, f"{len(differ)} file(s) differ from the manifest's sha256 "
+                     f"(missing, added or changed): {differ[:5]}",
+                     "restore the folder from the writer")  # fmt: skip
+    check_metadata(it_dir)
     return it_dir, manifest
 
 
