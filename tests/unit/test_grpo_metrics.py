@@ -170,9 +170,15 @@ def test_wandb_mode_and_run_id(tmp_path):
     assert M.resolve_wandb_mode("auto", {"WANDB_API_KEY": "k"}) == "online"
     assert M.resolve_wandb_mode("offline", {"WANDB_API_KEY": "k"}) == "offline"
     assert M.resolve_wandb_mode("disabled", {"WANDB_API_KEY": "k"}) == "disabled"
-    a = M.wandb_run_id("run", tmp_path)
-    assert a == M.wandb_run_id("run", tmp_path / "x" / "..") and len(a) == 16
-    assert a != M.wandb_run_id("run2", tmp_path) and a != M.wandb_run_id("run", tmp_path / "b")
+    a = M.wandb_run_id("run", tmp_path, "n")
+    assert a == M.wandb_run_id("run", tmp_path / "x" / "..", "n") and len(a) == 16
+    assert a != M.wandb_run_id("run2", tmp_path, "n") and a != M.wandb_run_id(
+        "run", tmp_path / "b", "n"
+    )
+    assert a != M.wandb_run_id("run", tmp_path, "m")
+    first = M.run_nonce(tmp_path, fresh=True)
+    assert M.run_nonce(tmp_path, fresh=False) == first  # a resume reads it back
+    assert M.run_nonce(tmp_path, fresh=True) != first  # a fresh run draws its own
 
 
 def test_disabled_wandb_is_never_imported(tmp_path, monkeypatch):
@@ -212,16 +218,19 @@ def test_real_offline_wandb_run(tmp_path, monkeypatch):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out = tmp_path / "run"
-    run_id = M.wandb_run_id("tiny", out)
+    ids = []
     for start, steps in ((0, [1, 2]), (2, [3])):
         with MetricsLogger(out, run_name="tiny", config={"lr": 1e-3}, total_steps=3,
                            start_step=start, wandb_mode="auto", console=io.StringIO(),
                            progress=False) as log:  # fmt: skip
             assert log.wandb_mode == "offline"
-            assert log._run.id == run_id and log._run.config["lr"] == 1e-3
+            ids.append(log._run.id)
+            assert log._run.config["lr"] == 1e-3
             for s in steps:
                 log.log(s, {M.REWARD_MEAN: s / 4, "note": "not numeric", M.WEIGHT_VERSION: s})
             assert log._run.summary[M.REWARD_MEAN] == steps[-1] / 4
+    run_id = M.wandb_run_id("tiny", out, (out / M.WANDB_NONCE).read_text().strip())
+    assert ids == [run_id, run_id]  # the resumed logger continues the fresh run's wandb run
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 2 and all(list(r.glob("*.wandb")) for r in runs)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]

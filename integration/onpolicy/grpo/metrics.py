@@ -20,8 +20,9 @@ JSONL (`out_dir/metrics.jsonl`):
 wandb:
 - Mode "auto" is "online" when WANDB_API_KEY is set, else "offline". "online", "offline" and
   "disabled" force the mode, and "disabled" never imports wandb.
-- The run id is a hash of the run name and the resolved out_dir. A resumed run therefore
-  continues the same wandb run (resume="allow").
+- The run id is a hash of the run name, the resolved out_dir and a random component a fresh
+  run draws and keeps in the folder (`.wandb-run`). A resumed run reads it back and continues
+  the same wandb run (resume="allow"); a fresh run never logs into an older one.
 - Only numeric values are logged, with the step as wandb's step. wandb itself ignores a step
   below one it already holds, for example when a run died after logging a step that its last
   checkpoint did not reach.
@@ -39,6 +40,7 @@ import json
 import math
 import numbers
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import IO, Any
@@ -182,10 +184,26 @@ def resolve_wandb_mode(mode: str, environ: dict[str, str] | None = None) -> str:
     return "online" if env.get("WANDB_API_KEY") else "offline"
 
 
-def wandb_run_id(run_name: str, out_dir: Path) -> str:
-    """A stable wandb id: the same run name and folder give the same id after a restart."""
-    key = f"{run_name}\0{Path(out_dir).resolve()}".encode()
+WANDB_NONCE = ".wandb-run"
+"""The file in the run folder holding the run's fresh wandb id component."""
+
+
+def wandb_run_id(run_name: str, out_dir: Path, nonce: str) -> str:
+    """The wandb id of the run named `run_name` in `out_dir` whose fresh component is `nonce`."""
+    key = f"{run_name}\0{Path(out_dir).resolve()}\0{nonce}".encode()
     return hashlib.sha256(key).hexdigest()[:16]
+
+
+def run_nonce(out_dir: Path, fresh: bool) -> str:
+    """A fresh run's new random id component, kept in the folder; a resumed run reads it back
+    (so it continues its own wandb run, and a new run in a folder of the same name never
+    logs into an old one)."""
+    path = Path(out_dir) / WANDB_NONCE
+    if not fresh and path.is_file():
+        return path.read_text().strip()
+    nonce = secrets.token_hex(8)
+    write_atomic(path, nonce + "\n")
+    return nonce
 
 
 class MetricsLogger:
@@ -212,9 +230,12 @@ class MetricsLogger:
             if self.wandb_mode != "disabled":
                 import wandb
 
+                run_id = wandb_run_id(
+                    run_name, self.out_dir, run_nonce(self.out_dir, fresh=start_step == 0)
+                )
                 self._run = wandb.init(
                     project=wandb_project, name=run_name, dir=str(self.out_dir), config=config,
-                    mode=self.wandb_mode, resume="allow", id=wandb_run_id(run_name, self.out_dir),
+                    mode=self.wandb_mode, resume="allow", id=run_id,
                     # The driver prints its own lines; wandb must not capture or echo the console.
                     settings=wandb.Settings(console="off", silent=True),
                 )  # fmt: skip
