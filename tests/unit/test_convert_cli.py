@@ -273,3 +273,17 @@ def test_a_changed_or_added_file_is_refused_by_its_hash(tmp_path):
 def test_a_sound_folder_reads(tmp_path):
     root = make_checkpoint(tmp_path / "root")
     assert torch.equal(torch_dist.global_tensors(root)["w"], torch.arange(4.0))
+
+
+def test_iterations_newer_than_latest_are_set_aside(tmp_path):
+    root = make_checkpoint(tmp_path / "root", iteration=1)
+    make_checkpoint(tmp_path / "other", iteration=2)
+    # iteration 2 published, then the writer died before `latest` moved
+    torch_dist.iteration_dir(tmp_path / "other", 2).rename(torch_dist.iteration_dir(root, 2))
+    moved = torch_dist.set_aside_newer(root)
+    assert [(a.name, b.name.split(".aside-")[0]) for a, b in moved] == [
+        ("iter_0000002", ".iter_0000002")
+    ]
+    assert not torch_dist.iteration_dir(root, 2).exists() and moved[0][1].is_dir()
+    assert torch_dist.read_tracker(root) == 1 and torch_dist.iteration_dir(root, 1).is_dir()
+    assert torch_dist.set_aside_newer(root) == []

@@ -35,6 +35,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,26 @@ def check_metadata(it_dir: Path) -> None:
         raise refuse("checkpoint_index", it_dir / "metadata.json",
                      f"names backend {backend!r}, not torch_dist",
                      "restore the folder from the writer")  # fmt: skip
+
+
+def set_aside_newer(root: Path) -> list[tuple[Path, Path]]:
+    """Rename every `iter_N` newer than `latest` (a save that died between publishing its folder
+    and moving `latest`) to `.iter_N.aside-<stamp>`, so a resume can save N again; the
+    (old, new) paths. Nothing is deleted."""
+    latest = read_tracker(root)
+    if latest is None:
+        return []
+    moved = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for d in sorted(root.glob("iter_*")):
+        n = d.name.removeprefix("iter_")
+        if d.is_dir() and n.isdigit() and int(n) > latest:
+            target = root / f".{d.name}.aside-{stamp}"
+            os.rename(d, target)
+            moved.append((d, target))
+    if moved:
+        fsync_path(root)
+    return moved
 
 
 def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:

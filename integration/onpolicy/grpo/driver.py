@@ -153,6 +153,9 @@ class Driver:
                 raise RunError(f"--resume: no checkpoint under {root} (run.checkpoint_every "
                                "saves one every N steps)", 2)  # fmt: skip
             self.resume_from, self.start_step = root, it
+            for old, new in torch_dist.set_aside_newer(root):
+                self.log(f"onpolicy e2e: warning: {old.name} is newer than `latest` ({it}), a save "
+                         f"that did not finish publishing; moved aside to {new.name}")  # fmt: skip
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self.ckpt = checkpoint(self.e.cfg, self.out)
         self._make_task()  # every problem with the data is refused here, before Ray starts
