@@ -239,6 +239,17 @@ def _error(ref: Any) -> BaseException | None:
 
 
 def _cause(err: BaseException) -> str:
+    """One line: the root exception a failed actor call raised (type and message), not Ray's
+    wrapper; for a dead actor, the first lines of Ray's report."""
+    root = getattr(err, "cause", None)
+    while isinstance(root, BaseException) and isinstance(getattr(root, "cause", None),
+                                                           BaseException):  # fmt: skip
+        root = root.cause  # a RayTaskError raised inside another actor call
+    if isinstance(root, BaseException) and not type(root).__module__.startswith("ray."):
+        while root.__cause__ is not None:  # `raise X from Y`: Y is where it started
+            root = root.__cause__
+        message = " ".join(str(root).split())
+        return f"{type(root).__name__}: {message}"[:800]
     text = str(err).strip().splitlines()
     keep = [ln for ln in text if ln.strip()][:6]
     return " | ".join(keep)[:800]
