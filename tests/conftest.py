@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,28 +15,35 @@ REPO = Path(__file__).resolve().parents[1]
 def run_torchrun(
     script: Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> str:
-    """Run `script` under torchrun with `nproc` local ranks; return stdout, fail with the logs."""
-    from onpolicy.rendezvous import free_port
+    """Run `script` under torchrun with `nproc` local ranks; return stdout, fail with the logs.
+    Past `timeout` torchrun and every rank are killed (its process group), never left behind."""
+    from onpolicy.rendezvous import loopback_env, torchrun
 
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(script), *args,
-    ]  # fmt: skip
     full_env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
             [str(REPO / "integration"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
         ),
+        **loopback_env(),
         **(env or {}),
     }
-    p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.Popen(torchrun(nproc, str(script), *args), env=full_env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"torchrun {script.name} x{nproc} {' '.join(args)}: no result within "
+                    f"{timeout:.0f} s, killed with its ranks\n--- stdout ---\n{out[-6000:]}\n"
+                    f"--- stderr ---\n{err[-6000:]}")  # fmt: skip
     if p.returncode != 0:
         pytest.fail(
             f"torchrun {script.name} x{nproc} {' '.join(args)} exited {p.returncode}\n"
-            f"--- stdout ---\n{p.stdout[-6000:]}\n--- stderr ---\n{p.stderr[-6000:]}"
+            f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
         )
-    return p.stdout
+    return out
 
 
 @pytest.fixture(scope="session")

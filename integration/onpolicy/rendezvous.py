@@ -3,12 +3,15 @@
 torch's TCPStore server binds every interface (`::`), whatever host it is given; the run's
 rendezvous (the trainer's process group, the weight-sync group) must listen on the run's bind
 address only (127.0.0.1 by default). The master binds its own socket there and hands the store
-the listening file descriptor (`master_listen_fd`). `free_port` is the one free-port helper.
+the listening file descriptor (`master_listen_fd`). `free_port` is the one free-port helper,
+`torchrun` the one command line of a local torchrun job, `loopback_env` what its ranks need to
+keep gloo's pairs on the loopback interface.
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -20,6 +23,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *args: str, host: str = "127.0.0.1") -> list[str]:
+    """The command line of a local torchrun job of `nproc` ranks running `args` (a script or
+    `-m module`, then its arguments), its rendezvous on `host` at a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-addr={host}", f"--master-port={free_port(host)}", *args]  # fmt: skip
+
+
+def loopback_env(host: str = "127.0.0.1") -> dict[str, str]:
+    """Environment for ranks whose rendezvous is on `host`: gloo binds its pairs to the address
+    the machine's host name resolves to unless told the interface, so on a loopback host it is
+    told `lo`."""
+    return {"GLOO_SOCKET_IFNAME": "lo"} if host in ("127.0.0.1", "localhost", "::1") else {}
 
 
 def tcp_store(host: str, port: int, world: int, *, is_master: bool,

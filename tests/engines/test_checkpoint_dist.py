@@ -144,16 +144,11 @@ def process_tree(pid: int) -> list[int]:
 def kill_midway(common: list[str], root: Path) -> dict:
     """Launch the kill job; SIGKILL torchrun and every process under it once iteration 2's
     temporary folder holds a .distcp file."""
-    import socket
+    from onpolicy.rendezvous import loopback_env, torchrun
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
-           "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER),
-           "--mode", "kill", *common]  # fmt: skip
+    cmd = torchrun(1, str(WORKER), "--mode", "kill", *common)
     path = [str(REPO / "integration"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **loopback_env()}
     tmp = root / "kill" / ".iter_0000002.tmp"
     with open(root / "kill.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

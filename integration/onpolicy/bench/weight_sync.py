@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -108,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from onpolicy.models import write_tiny_checkpoint
+    from onpolicy.rendezvous import loopback_env, torchrun
     from onpolicy.rollout.host import KEY_ENV, EngineHost, clean_env
 
     load = os.getloadavg()[0]
@@ -119,13 +119,11 @@ def main(argv: list[str] | None = None) -> None:
         host = EngineHost.start("engine", ckpt, tmp / "host", tp=2, ep=2, key=key)
         try:
             host.wait()
-            cmd = [sys.executable, "-m", "torch.distributed.run",
-                   f"--nproc-per-node={LAYOUT.world}", "-m", "onpolicy.bench.weight_sync",
-                   "--worker", "--ckpt", str(ckpt),
-                   "--address-file", str(host.address_file), "--bucket-bytes", str(bucket),
-                   "--reps", str(args.reps)]  # fmt: skip
-            p = subprocess.run(cmd, env={**clean_env(), KEY_ENV: key}, capture_output=True,
-                               text=True, timeout=1800)  # fmt: skip
+            cmd = torchrun(LAYOUT.world, "-m", "onpolicy.bench.weight_sync", "--worker",
+                           "--ckpt", str(ckpt), "--address-file", str(host.address_file),
+                           "--bucket-bytes", str(bucket), "--reps", str(args.reps))  # fmt: skip
+            p = subprocess.run(cmd, env={**clean_env(), KEY_ENV: key, **loopback_env()},
+                               capture_output=True, text=True, timeout=1800)  # fmt: skip
         finally:
             host.stop()
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]

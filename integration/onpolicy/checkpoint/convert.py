@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from onpolicy.contract.errors import ContractError
 from onpolicy.layout import ParallelLayout
 from onpolicy.models.hf_layout import CheckpointError
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
-from onpolicy.rendezvous import free_port
+from onpolicy.rendezvous import loopback_env, torchrun
 
 WORKER = "onpolicy.checkpoint.convert_worker"
 LOG_TAIL = 4000
@@ -122,23 +123,31 @@ def _refuse_existing_iteration(root: str, iteration: int) -> None:
         )
 
 
-def launch(job: dict, world: int, log=print) -> None:
-    """Run the worker under torchrun; raise the worker's refusal, or WorkerDied."""
+def launch(job: dict, world: int, log=print, timeout_s: float = 7200.0) -> None:
+    """Run the worker under torchrun; raise the worker's refusal, or WorkerDied (also when it
+    gives no result within `timeout_s`)."""
     with tempfile.TemporaryDirectory(prefix="onpolicy-convert-") as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job, indent=2))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", WORKER,
-               str(job_file)]  # fmt: skip
+        cmd = torchrun(world, "-m", WORKER, str(job_file))
         log(f"onpolicy convert: {job['mode']} on {world} rank(s)")
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               **loopback_env()}  # fmt: skip
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)  # fmt: skip
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and every rank it started
+            out, err = p.communicate()
+            raise WorkerDied(f"torchrun {WORKER} x{world} gave no result within {timeout_s:.0f} "
+                             f"s (killed):\n{(out + err)[-LOG_TAIL:]}") from None  # fmt: skip
         refused = job_file.parent / "refused.txt"
         if refused.is_file():
             raise CheckpointError("convert_refused", job.get("ckpt") or job.get("hf") or "",
                                   refused.read_text().strip())  # fmt: skip
         if p.returncode != 0:
-            tail = (p.stdout + p.stderr)[-LOG_TAIL:]
+            tail = (out + err)[-LOG_TAIL:]
             raise WorkerDied(f"torchrun {WORKER} x{world} exited {p.returncode}:\n{tail}")
 
 

@@ -38,7 +38,7 @@ from onpolicy.contract import (
     resolve_plan,
 )
 from onpolicy.layout import ParallelLayout
-from onpolicy.rendezvous import free_port
+from onpolicy.rendezvous import loopback_env, torchrun
 from onpolicy.rollout.engine import RolloutRequest, engine_env
 from onpolicy.segments import KSegments
 
@@ -237,13 +237,12 @@ def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples
     layout = pair.training
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "scores.pt").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={layout.world}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-           "-m", "onpolicy.parity.trainer_worker", "--ckpt", str(ckpt), "--samples",
-           str(samples_file), "--out", str(folder), "--dtype", cfg.model.dtype,
-           "--temperature", str(run.temperature), *layout.cli_args()]  # fmt: skip
+    cmd = torchrun(layout.world, "-m", "onpolicy.parity.trainer_worker", "--ckpt", str(ckpt),
+                   "--samples", str(samples_file), "--out", str(folder), "--dtype",
+                   cfg.model.dtype, "--temperature", str(run.temperature),
+                   *layout.cli_args())  # fmt: skip
     cmd += ["--stock"] if pair.training_stock else []
-    env = _env(resolve_plan(cfg).training_env)
+    env = _env({**resolve_plan(cfg).training_env, **loopback_env()})
     _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
     return torch.load(folder / "scores.pt", weights_only=True)
 
