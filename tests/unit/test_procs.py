@@ -51,9 +51,22 @@ def test_reap_kills_the_runs_processes_and_spares_the_drivers_ancestors():
 
 
 def test_ancestors_walks_up_to_init():
-    mine = ancestors()
-    assert os.getpid() in mine and os.getppid() in mine
-    assert 1 not in mine
+    code = (
+        "import json; from onpolicy.grpo.procs import ancestors; "
+        "print(json.dumps(sorted(ancestors())))"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    child = set(json.loads(p.stdout))
+    # the child, and this process above it; init is never counted
+    assert os.getpid() in child and len(child - ancestors()) == 1 and 1 not in child, p
+    assert os.getpid() in ancestors()
 
 
 def test_the_driver_takes_a_fresh_run_id_unless_one_is_named(monkeypatch):
