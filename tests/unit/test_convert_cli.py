@@ -235,7 +235,7 @@ def test_a_planted_metadata_pickle_is_refused_and_runs_nothing(tmp_path, capsys)
     (it_dir / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
     _rehash(it_dir)  # the manifest forged too: the hashes alone cannot stop it
     with pytest.raises(CheckpointError, match="io.open is not a class of torch's") as e:
-        torch_dist.read_manifest(root)
+        torch_dist.verify(*torch_dist.read_manifest(root))
     assert e.value.rule == "checkpoint_index" and not marker.exists()
     with pytest.raises(CheckpointError):
         torch_dist.global_tensors(root)
@@ -249,7 +249,7 @@ def test_a_forged_marker_is_refused_with_the_rule(tmp_path):
     (it_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
     _rehash(it_dir)
     with pytest.raises(CheckpointError, match="names backend 'zarr', not torch_dist") as e:
-        torch_dist.read_manifest(root)
+        torch_dist.verify(*torch_dist.read_manifest(root))
     assert e.value.rule == "checkpoint_index"
 
 
@@ -261,13 +261,13 @@ def test_a_changed_or_added_file_is_refused_by_its_hash(tmp_path):
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=shard.name) as e:
-        torch_dist.read_manifest(root)
+        torch_dist.verify(*torch_dist.read_manifest(root))
     assert e.value.rule == "files"
     shard.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))  # restored
-    torch_dist.read_manifest(root)
+    torch_dist.verify(*torch_dist.read_manifest(root))
     (it_dir / "extra.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="extra.distcp"):
-        torch_dist.read_manifest(root)
+        torch_dist.verify(*torch_dist.read_manifest(root))
 
 
 def test_a_sound_folder_reads(tmp_path):

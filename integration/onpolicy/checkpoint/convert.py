@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from onpolicy.contract.errors import ContractError
 from onpolicy.layout import ParallelLayout
 from onpolicy.models.hf_layout import CheckpointError
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
-from onpolicy.rendezvous import loopback_env, torchrun
+from onpolicy.rendezvous import loopback_env, run_group, torchrun
 
 WORKER = "onpolicy.checkpoint.convert_worker"
 LOG_TAIL = 4000
@@ -133,15 +132,14 @@ def launch(job: dict, world: int, log=print, timeout_s: float = 7200.0) -> None:
         log(f"onpolicy convert: {job['mode']} on {world} rank(s)")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                **loopback_env()}  # fmt: skip
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)  # fmt: skip
         try:
-            out, err = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # torchrun and every rank it started
-            out, err = p.communicate()
+            p = run_group(cmd, env=env, timeout=timeout_s, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+        except subprocess.TimeoutExpired as e:
+            tail = (e.output + e.stderr)[-LOG_TAIL:]
             raise WorkerDied(f"torchrun {WORKER} x{world} gave no result within {timeout_s:.0f} "
-                             f"s (killed):\n{(out + err)[-LOG_TAIL:]}") from None  # fmt: skip
+                             f"s (killed):\n{tail}") from None  # fmt: skip
+        out, err = p.stdout, p.stderr
         refused = job_file.parent / "refused.txt"
         if refused.is_file():
             raise CheckpointError("convert_refused", job.get("ckpt") or job.get("hf") or "",
@@ -178,6 +176,7 @@ def hf_to_dist(args: argparse.Namespace) -> None:
 
 def dist_to_hf(args: argparse.Namespace) -> None:
     it_dir, manifest = torch_dist.read_manifest(args.ckpt)
+    torch_dist.verify(it_dir, manifest)  # refused here, before a worker starts
     torch_dist.manifest_config(manifest)
     out = Path(args.out).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -190,6 +189,7 @@ def dist_to_hf(args: argparse.Namespace) -> None:
 def reshard(args: argparse.Namespace) -> None:
     cfg = _run_config(args)
     it_dir, manifest = torch_dist.read_manifest(args.ckpt)
+    torch_dist.verify(it_dir, manifest)  # refused here, before a worker starts
     layout = cfg.training
     with_optimizer = bool(manifest.get("has_optimizer")) and not args.model_only
     opt = None

@@ -21,7 +21,8 @@ saved `fully_reshardable` (the DistributedOptimizer's canonical, layout-free for
 still cannot cross between layouts with a different number of chained sub-optimizers:
 megatron-core builds a separate expert optimizer exactly when EP > 1 or ETP != TP.
 
-Reading runs no code from the folder: before torch's reader sees it, every file's sha256 must
+Reading runs no code from the folder: before torch's reader sees it (`verify`, in `load` and
+`global_tensors`, and in `convert` before it launches), every file's sha256 must
 be the manifest's, metadata.json must be megatron-core's torch_dist marker, and `.metadata`
 (a pickle, which torch's reader loads) must hold only the classes an index of tensors is made
 of (`METADATA_CLASSES`); anything else is refused with the rule named.
@@ -451,6 +452,12 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     if not isinstance(config, dict) or config_sha256(config) != manifest.get("config_sha256"):
         raise refuse("manifest", it_dir / MANIFEST, "model_config does not match its "
                      "config_sha256", "restore the file from the writer")  # fmt: skip
+    return it_dir, manifest
+
+
+def verify(it_dir: Path, manifest: dict[str, Any]) -> None:
+    """Before torch's reader sees the folder: every file's sha256 is the manifest's, and
+    `check_metadata`. Once per load, in one process (it reads every byte)."""
     recorded = manifest["files"]
     found = file_hashes(it_dir)
     if not isinstance(recorded, dict) or found != recorded:
@@ -460,7 +467,6 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
                      f"(missing, added or changed): {differ[:5]}",
                      "restore the folder from the writer")  # fmt: skip
     check_metadata(it_dir)
-    return it_dir, manifest
 
 
 def manifest_config(manifest: dict[str, Any]) -> Qwen3MoeConfig:
@@ -549,6 +555,7 @@ def load(
     if dist.get_rank() == 0:
         try:
             it_dir, manifest = read_manifest(path)
+            verify(it_dir, manifest)
             opt = _optimizer_info(optimizer) if optimizer is not None else None
             check_compatible(it_dir, manifest, cfg, layout, gpt.config.params_dtype,
                              optimizer=opt)  # fmt: skip
@@ -578,7 +585,8 @@ def global_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    it_dir, _ = read_manifest(path)
+    it_dir, manifest = read_manifest(path)
+    verify(it_dir, manifest)
     # Straight from the shards into fresh tensors: no intermediate torch.save / torch.load.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
