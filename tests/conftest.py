@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -17,7 +16,7 @@ def run_torchrun(
 ) -> str:
     """Run `script` under torchrun with `nproc` local ranks; return stdout, fail with the logs.
     Past `timeout` torchrun and every rank are killed (its process group), never left behind."""
-    from onpolicy.rendezvous import loopback_env, torchrun
+    from onpolicy.rendezvous import loopback_env, run_group, torchrun
 
     full_env = {
         **os.environ,
@@ -27,17 +26,14 @@ def run_torchrun(
         **loopback_env(),
         **(env or {}),
     }
-    p = subprocess.Popen(torchrun(nproc, str(script), *args), env=full_env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # fmt: skip
     try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
+        p = run_group(torchrun(nproc, str(script), *args), env=full_env, timeout=timeout,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun {script.name} x{nproc} {' '.join(args)}: no result within "
-                    f"{timeout:.0f} s, killed with its ranks\n--- stdout ---\n{out[-6000:]}\n"
-                    f"--- stderr ---\n{err[-6000:]}")  # fmt: skip
+                    f"{timeout:.0f} s, killed with its ranks\n--- stdout ---\n{e.output[-6000:]}"
+                    f"\n--- stderr ---\n{e.stderr[-6000:]}")  # fmt: skip
+    out, err = p.stdout, p.stderr
     if p.returncode != 0:
         pytest.fail(
             f"torchrun {script.name} x{nproc} {' '.join(args)} exited {p.returncode}\n"

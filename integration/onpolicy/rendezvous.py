@@ -5,12 +5,16 @@ rendezvous (the trainer's process group, the weight-sync group) must listen on t
 address only (127.0.0.1 by default). The master binds its own socket there and hands the store
 the listening file descriptor (`master_listen_fd`). `free_port` is the one free-port helper,
 `torchrun` the one command line of a local torchrun job, `loopback_env` what its ranks need to
-keep gloo's pairs on the loopback interface.
+keep gloo's pairs on the loopback interface, `run_group` the one way to run such a job (or any
+worker) with a bounded wait.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import sys
 from datetime import timedelta
 
@@ -37,6 +41,21 @@ def loopback_env(host: str = "127.0.0.1") -> dict[str, str]:
     the machine's host name resolves to unless told the interface, so on a loopback host it is
     told `lo`."""
     return {"GLOO_SOCKET_IFNAME": "lo"} if host in ("127.0.0.1", "localhost", "::1") else {}
+
+
+def run_group(cmd: list[str], *, env: dict[str, str], timeout: float,
+              **popen: object) -> subprocess.CompletedProcess:  # fmt: skip
+    """`subprocess.run` in a process group of its own: past `timeout` the whole group (torchrun
+    and every rank, a worker and what it started) is killed, then TimeoutExpired is raised
+    with what it printed. `popen`: stdout, stderr, text, as Popen takes them."""
+    with subprocess.Popen(cmd, env=env, start_new_session=True, **popen) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def tcp_store(host: str, port: int, world: int, *, is_master: bool,

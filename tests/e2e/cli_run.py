@@ -19,15 +19,10 @@ import uuid
 from pathlib import Path
 
 import torch
+from onpolicy.grpo.procs import run_processes
 
 REPO = Path(__file__).resolve().parents[2]
 ABS_DIFF, KL = "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl"
-
-
-def run_processes(run_id: str) -> list[int]:
-    from onpolicy.grpo.procs import run_processes as found
-
-    return found(run_id)
 
 
 def _default_sigint() -> None:

@@ -80,3 +80,28 @@ def test_the_driver_takes_a_fresh_run_id_unless_one_is_named(monkeypatch):
     assert Driver(e).cluster.run_id != fresh
     assert Driver(e, run_id="named").cluster.run_id == "named"
     assert os.environ[RUN_ID_ENV] == "named"
+
+
+def test_run_group_kills_the_whole_group_past_its_timeout(tmp_path):
+    """A job that started a child of its own: past the timeout both are gone (torchrun and its
+    ranks, a worker and what it started), and what the job printed comes with the error."""
+    import pytest
+    from onpolicy.rendezvous import run_group
+
+    pid_file = tmp_path / "child.pid"
+    job = textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("started", flush=True)
+        time.sleep(120)
+    """)
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        run_group([sys.executable, "-c", job], env=dict(os.environ), timeout=5,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert e.value.output == "started\n"
+    child = int(pid_file.read_text())
+    state = Path(f"/proc/{child}/stat")
+    assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert run_group([sys.executable, "-c", "print(7)"], env=dict(os.environ), timeout=60,
+                     stdout=subprocess.PIPE, text=True).stdout == "7\n"  # fmt: skip

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -38,7 +37,7 @@ from onpolicy.contract import (
     resolve_plan,
 )
 from onpolicy.layout import ParallelLayout
-from onpolicy.rendezvous import loopback_env, torchrun
+from onpolicy.rendezvous import loopback_env, run_group, torchrun
 from onpolicy.rollout.engine import RolloutRequest, engine_env
 from onpolicy.segments import KSegments
 
@@ -197,14 +196,9 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 def _run(what: str, cmd: list[str], env: dict, log: Path, timeout: float) -> None:
     with log.open("w") as f:
-        # Its own process group, so a hung worker is killed with everything it started.
-        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)  # fmt: skip
-        try:
-            p.wait(timeout)
+        try:  # a hung worker is killed with everything it started
+            p = run_group(cmd, env=env, timeout=timeout, stdout=f, stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
             msg = f"{what} ran past {timeout:.0f} s and was killed; log: {log}"
             raise WorkerError(msg) from None
     if p.returncode != 0:
