@@ -18,7 +18,7 @@ import secrets
 from pathlib import Path
 from typing import IO
 
-__all__ = ["FolderLocked", "fsync_path", "lock_folder", "write_atomic", "write_synced"]
+__all__ = ["LOCK_NAME", "FolderLocked", "fsync_path", "lock_folder", "write_atomic", "write_synced"]
 
 LOCK_NAME = ".lock"
 """The lock file inside a locked folder (it holds the holder's pid)."""
