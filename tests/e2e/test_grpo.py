@@ -8,8 +8,8 @@ and no process of it may be left after it exits. The runs:
   its step 1 (metrics and checkpoint) is `base`'s, so the same seed gives the same run;
   `--resume` then continues from the step-1 checkpoint to the uninterrupted run's metrics and
   weights;
-- `stock`: the rollout on SGLang's stock path (the assertion's negative control), one engine:
-  the run stops at step 1 naming the first differing token;
+- `stock`: the rollout on SGLang's stock path (the assertion's negative control), one engine,
+  prompts of 1 to 300 tokens: the run stops at step 1 naming the first differing token;
 - `learning`: colocated engines on 4 trainer ranks with the tensor transport, 15 steps: the
   reward rises.
 Ctrl-C's teardown and its resume are tested on the dataset config (test_grpo_dataset.py).
@@ -36,6 +36,9 @@ from cli_run import (
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu.toml"
+# The stock control at the prompt lengths the exact path is tested at, 1 to a few hundred tokens
+# (stock bf16 SDPA takes another kernel from 64 tokens on).
+STOCK_PROMPTS = ("--set", "task.prompt_min_tokens=1", "--set", "task.prompt_max_tokens=300")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]  # its runs' fixture included
 
@@ -117,7 +120,7 @@ def test_the_stock_rollout_breaks_the_assertion_at_step_1(tmp_path, compile_cach
     reruns that sample on both engines with captures and names the first op that differs."""
     run = _run(tmp_path / "stock", "--bisect", "--set", "grpo.rollout_path=stock",
                "--set", "grpo.routing_check=false", "--set", "rollout.engines=1",
-               cache=compile_cache)  # fmt: skip
+               *STOCK_PROMPTS, cache=compile_cache)  # fmt: skip
     assert run.wait() == 1, run.text[-4000:]
     rows = run.metrics()
     assert [r["step"] for r in rows] == [1] and rows[0][ABS_DIFF] > 0, rows

@@ -321,6 +321,20 @@ def test_plan_environment_is_explained_and_needed(tmp_path: Path) -> None:
     assert digest("default") != digest("avx2")
 
 
+def test_stock_processes_run_without_the_exact_paths_pin() -> None:
+    """The stock path (the negative controls) takes the plan's environment without the CPU
+    capability pin, which only the exact ops need (and which stops stock bf16 SDPA on AVX-512
+    hosts); everything else, the K segments included, stays."""
+    from onpolicy.contract import stock_env
+    from onpolicy.contract.plan import EXACT_ONLY_ENV
+
+    plan = resolve_plan(load_config(TINY))
+    base = {"PATH": "/bin", **plan.rollout_env}
+    assert stock_env(base) == {"PATH": "/bin", K_SEGMENTS_ENV: "attention=2,experts=1"}
+    assert set(EXACT_ONLY_ENV) <= set(plan.rollout_env) <= set(ENV_WHY)
+    assert stock_env(base) != base and base["ATEN_CPU_CAPABILITY"] == "avx2"  # not mutated
+
+
 def _write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "run.toml"
     p.write_text(text)

@@ -18,7 +18,7 @@ from onpolicy.contract.config import (
     parse_override,
 )
 from onpolicy.contract.errors import ContractError
-from onpolicy.contract.plan import Plan, format_plan, plan_dict, resolve_plan
+from onpolicy.contract.plan import Plan, format_plan, plan_dict, resolve_plan, stock_env
 from onpolicy.contract.rules import RULES, k_segments, validate
 from onpolicy.contract.schema import QWEN3_MOE_TRUE_ON_POLICY_V1, Contract
 
@@ -41,5 +41,6 @@ __all__ = [
     "parse_override",
     "plan_dict",
     "resolve_plan",
+    "stock_env",
     "validate",
 ]

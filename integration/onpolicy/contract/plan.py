@@ -65,6 +65,18 @@ order (thread count included) and the collectives fix theirs, so nothing else is
 NCCL_ALGO, not OMP_NUM_THREADS. Only the K segments depend on the run: both sides' layouts."""
 
 
+EXACT_ONLY_ENV = ("ATEN_CPU_CAPABILITY",)
+"""Variables only the exact path needs. A process on the stock path (a negative control) runs
+torch's own kernels, whose bits need match nothing, and a capability pinned below the host's
+can stop them: on an AVX-512 host at AVX2, bf16 SDPA refuses any query of 64 tokens or more
+("pack_vnni2 is only supported when avx512 is supported")."""
+
+
+def stock_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a process on the stock path: without the EXACT_ONLY_ENV variables."""
+    return {k: v for k, v in env.items() if k not in EXACT_ONLY_ENV}
+
+
 def _env(cfg: RunConfig) -> dict[str, str]:
     cpu = {"ATEN_CPU_CAPABILITY": "avx2"} if cfg.device == "cpu" else {}
     return cpu | {K_SEGMENTS_ENV: k_segments(cfg).env_value()}

@@ -35,6 +35,7 @@ from onpolicy.contract import (
     load_config,
     model_checkpoint,
     resolve_plan,
+    stock_env,
 )
 from onpolicy.layout import ParallelLayout
 from onpolicy.rendezvous import loopback_env, run_group, torchrun
@@ -220,7 +221,8 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
            "--out", str(folder / "samples.json")]  # fmt: skip
     cmd += ["--stock"] if layout.stock else []
     plan = resolve_plan(cfg)
-    env = _env(engine_env(layout.tp, folder, base={**os.environ, **plan.rollout_env}))
+    base = {**os.environ, **plan.rollout_env}
+    env = _env(engine_env(layout.tp, folder, base=stock_env(base) if layout.stock else base))
     _run(f"rollout engine {layout.name}", cmd, env, folder / "rollout.log", run.timeout)
     return json.loads((folder / "samples.json").read_text())["samples"]
 
