@@ -55,15 +55,16 @@ def stopped_on_error():
 
 class Run:
     """One `onpolicy e2e --config <config>` process and what was seen of it. `cache` is the
-    session's compile cache (run.cache_dir)."""
+    session's compile cache (run.cache_dir); `path`, folders the run imports from (a custom
+    reward's module)."""
 
     def __init__(self, config: Path, out: Path, *args: str, steps: int, log: str = "",
-                 cache: Path | None = None) -> None:  # fmt: skip
+                 cache: Path | None = None, path: tuple[Path, ...] = ()) -> None:  # fmt: skip
         self.out, self.run_id = out, uuid.uuid4().hex
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
-                [str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
+                [str(REPO / "integration"), *map(str, path), os.environ.get("PYTHONPATH", "")]
             ),
         }
         cmd = [sys.executable, "-m", "onpolicy.cli", "e2e", "--config", str(config), "--out",

@@ -15,6 +15,13 @@ def digits(prompt: str, response: str, label, metadata: dict) -> dict:
     }
 
 
+def has_digit(prompt: str, response: str, label, metadata: dict) -> dict:
+    """A dict reward a random model earns now and then: 1.0 when the response holds a digit
+    (tests/e2e/test_grpo_dataset.py's filtered run: some groups differ, most do not)."""
+    digits = sum(ch.isdigit() for ch in response)
+    return {"score": float(digits > 0), "digits": float(digits)}
+
+
 def length(prompt: str, response: str, label, metadata: dict) -> float:
     """A float reward: the response's length in characters."""
     return float(len(response))
