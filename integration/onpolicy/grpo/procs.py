@@ -31,6 +31,19 @@ def ancestors(pid: int | None = None) -> set[int]:
     return seen
 
 
+STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped",
+          "t": "stopped by a tracer", "Z": "zombie"}  # fmt: skip
+
+
+def state(pid: int) -> str:
+    """A process's state as /proc reports it ("sleeping", "stopped", ...), "gone" if none."""
+    try:
+        code = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return STATES.get(code, code)
+
+
 def run_processes(run_id: str) -> list[int]:
     """Pids of live processes that carry the run's id in their environment, never this process
     or one above it (the driver's own parents are not the run's, whatever they inherited)."""
