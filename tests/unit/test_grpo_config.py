@@ -69,6 +69,7 @@ def test_the_contract_ignores_the_loop_tables_but_the_loop_checks_them():
         ({"run.checkpoint_every": -1}, "run_config", ["run.checkpoint_every = -1"]),
         ({"run.wandb_mode": "loud"}, "run_config", ["'loud'"]),
         ({"run.bind_address": ""}, "run_config", ["run.bind_address is empty"]),
+        ({"run.ray_auth": "yes"}, "config_types", ["'run.ray_auth'", "expected bool"]),
         ({"task.num_bands": 0}, "task_config", ["num_bands"]),
         ({"training.world": 6}, "world_layout", ["training.world = 6"]),
     ],

@@ -3,8 +3,9 @@ teardown.
 
 `Cluster` starts (or joins) Ray, places one `TrainerActor` per trainer rank and one
 `RolloutActor` per engine, and waits on their calls: a dead, failing or hung actor is a
-`RunError` that names it (exit 3). Teardown stops every actor and the local head, then kills
-and names any process of the run left (`onpolicy.grpo.procs`).
+`RunError` that names it (exit 3). Ray's token authentication is the run's
+(`onpolicy.grpo.ray_auth`). Teardown stops every actor and the local head, then kills and names
+any process of the run left (`onpolicy.grpo.procs`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from onpolicy.contract.errors import ContractError
+from onpolicy.grpo import ray_auth
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.procs import RUN_ID_ENV, reap
 from onpolicy.rendezvous import free_port
@@ -42,6 +45,8 @@ class Cluster:
         self.engines: list[Any] = []
         self.pg = None
         self.started_ray = False
+        self._auth_env: dict[str, str | None] | None = None
+        """The Ray auth variables `ray_auth.prepare` replaced, put back at teardown."""
         self.pids: dict[str, int] = {}
         """Each actor's process id, by name ("trainer rank 3", "engine0")."""
         self.times: dict[str, float] = {}
@@ -68,9 +73,18 @@ class Cluster:
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
-        if r.ray_address:
-            ray.init(address=r.ray_address, log_to_driver=False, configure_logging=False)
-            return
+        try:  # the environment is checked here too: it may have changed since the config
+            ray_auth.check_environment(r.ray_auth, r.ray_address)
+            self._auth_env = ray_auth.prepare(r.ray_auth, r.ray_address, self.e.out_dir)
+            if r.ray_address:
+                ray.init(address=r.ray_address, log_to_driver=False, configure_logging=False)
+                if r.ray_auth:
+                    ray_auth.check_enforced(ray.get_runtime_context().gcs_address)
+                return
+        except ContractError as err:
+            if ray.is_initialized():
+                ray.shutdown()
+            raise RunError(str(err), 2) from None
         n = self.bundles
         gpus = torch.cuda.device_count() if self.e.cfg.device == "cuda" else 0
         ray.init(num_cpus=n + 1, num_gpus=gpus, include_dashboard=False,
@@ -222,6 +236,9 @@ class Cluster:
                     pass
             ray.shutdown()
         self.actors, self.trainers, self.engines = [], [], []
+        if self._auth_env is not None:
+            ray_auth.restore(self._auth_env)
+            self._auth_env = None
         left = reap(self.run_id) if self.started_ray else []
         self.times["teardown_s"] = time.perf_counter() - t0
         return left

@@ -42,6 +42,7 @@ from onpolicy.contract.errors import ContractError
 from onpolicy.contract.rules import validate
 from onpolicy.grpo.data import DataConfig
 from onpolicy.grpo.evaluation import EvalConfig
+from onpolicy.grpo.ray_auth import check_environment
 from onpolicy.grpo.rewards import RewardConfig, load_reward, reward_path
 from onpolicy.grpo.tasks import task_config, task_table
 from onpolicy.train.loss import PPOClipConfig
@@ -99,6 +100,9 @@ class RunSettings:
     """Save the trainer (model and optimizer) every N steps; 0 never."""
     ray_address: str = ""
     """"" starts a local Ray head on bind_address; otherwise ray.init(address=...)."""
+    ray_auth: bool = True
+    """Token auth on the run's Ray cluster (`onpolicy.grpo.ray_auth`); false only on a host where
+    no other user can reach the head."""
     bind_address: str = "127.0.0.1"
     """Address every listener of the run binds: Ray's head, the torch.distributed
     rendezvous, the weight-sync group."""
@@ -213,6 +217,7 @@ def _check(e: E2EConfig) -> None:
             "run.bind_address is empty",
             "set 127.0.0.1, or the address other hosts reach this one at",
         )
+    check_environment(r.ray_auth, r.ray_address)  # [ray_auth]: RAY_AUTH_MODE, a joined token
     _check_data(e)
     if e.sync.transport == "tensor" and not e.cfg.rollout.colocate:
         raise ContractError(
