@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from onpolicy.models import write_tiny_checkpoint
-    from onpolicy.rendezvous import loopback_env, torchrun
+    from onpolicy.rendezvous import run_group, torchrun
     from onpolicy.rollout.host import KEY_ENV, EngineHost, clean_env
 
     load = os.getloadavg()[0]
@@ -122,8 +122,13 @@ def main(argv: list[str] | None = None) -> None:
             cmd = torchrun(LAYOUT.world, "-m", "onpolicy.bench.weight_sync", "--worker",
                            "--ckpt", str(ckpt), "--address-file", str(host.address_file),
                            "--bucket-bytes", str(bucket), "--reps", str(args.reps))  # fmt: skip
-            p = subprocess.run(cmd, env={**clean_env(), KEY_ENV: key, **loopback_env()},
-                               capture_output=True, text=True, timeout=1800)  # fmt: skip
+            env = {**clean_env(), KEY_ENV: key}
+            try:  # past the bound, the trainer's launcher and ranks are killed together
+                p = run_group(cmd, env=env, timeout=1800, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+            except subprocess.TimeoutExpired as e:
+                raise SystemExit(f"the trainer gave no result within 1800 s (killed):"
+                                 f"\n{e.stderr[-4000:]}") from None  # fmt: skip
         finally:
             host.stop()
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]

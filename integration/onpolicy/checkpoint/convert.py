@@ -29,7 +29,7 @@ from onpolicy.contract.errors import ContractError
 from onpolicy.layout import ParallelLayout
 from onpolicy.models.hf_layout import CheckpointError
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
-from onpolicy.rendezvous import loopback_env, run_group, torchrun
+from onpolicy.rendezvous import run_group, torchrun
 
 WORKER = "onpolicy.checkpoint.convert_worker"
 LOG_TAIL = 4000
@@ -123,22 +123,21 @@ def _refuse_existing_iteration(root: str, iteration: int) -> None:
 
 
 def launch(job: dict, world: int, log=print, timeout_s: float = 7200.0) -> None:
-    """Run the worker under torchrun; raise the worker's refusal, or WorkerDied (also when it
-    gives no result within `timeout_s`)."""
+    """Run the worker as a local job of `world` ranks (`rendezvous.torchrun`); raise the
+    worker's refusal, or WorkerDied (also when it gives no result within `timeout_s`)."""
     with tempfile.TemporaryDirectory(prefix="onpolicy-convert-") as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job, indent=2))
         cmd = torchrun(world, "-m", WORKER, str(job_file))
         log(f"onpolicy convert: {job['mode']} on {world} rank(s)")
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               **loopback_env()}  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             p = run_group(cmd, env=env, timeout=timeout_s, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)  # fmt: skip
         except subprocess.TimeoutExpired as e:
             tail = (e.output + e.stderr)[-LOG_TAIL:]
-            raise WorkerDied(f"torchrun {WORKER} x{world} gave no result within {timeout_s:.0f} "
-                             f"s (killed):\n{tail}") from None  # fmt: skip
+            raise WorkerDied(f"{WORKER} x{world} gave no result within {timeout_s:.0f} s (killed "
+                             f"with its ranks):\n{tail}") from None  # fmt: skip
         out, err = p.stdout, p.stderr
         refused = job_file.parent / "refused.txt"
         if refused.is_file():
@@ -146,7 +145,7 @@ def launch(job: dict, world: int, log=print, timeout_s: float = 7200.0) -> None:
                                   refused.read_text().strip())  # fmt: skip
         if p.returncode != 0:
             tail = (out + err)[-LOG_TAIL:]
-            raise WorkerDied(f"torchrun {WORKER} x{world} exited {p.returncode}:\n{tail}")
+            raise WorkerDied(f"{WORKER} x{world} exited {p.returncode}:\n{tail}")
 
 
 def _layout_json(layout: ParallelLayout) -> dict:

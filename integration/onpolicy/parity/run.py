@@ -38,7 +38,7 @@ from onpolicy.contract import (
     stock_env,
 )
 from onpolicy.layout import ParallelLayout
-from onpolicy.rendezvous import loopback_env, run_group, torchrun
+from onpolicy.rendezvous import run_group, torchrun
 from onpolicy.rollout.engine import RolloutRequest, engine_env
 from onpolicy.segments import KSegments
 
@@ -238,7 +238,7 @@ def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples
                    cfg.model.dtype, "--temperature", str(run.temperature),
                    *layout.cli_args())  # fmt: skip
     cmd += ["--stock"] if pair.training_stock else []
-    env = _env({**resolve_plan(cfg).training_env, **loopback_env()})
+    env = _env(resolve_plan(cfg).training_env)
     _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
     return torch.load(folder / "scores.pt", weights_only=True)
 
