@@ -1,4 +1,5 @@
-"""Shared fixtures: a torchrun launcher (one fresh process group per multi-rank case)."""
+"""Shared fixtures: the multi-rank job launcher (one fresh process group per multi-rank case),
+and the check that nothing the session starts listens beyond loopback."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from listeners import Listeners
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -14,31 +16,36 @@ REPO = Path(__file__).resolve().parents[1]
 def run_torchrun(
     script: Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> str:
-    """Run `script` under torchrun with `nproc` local ranks; return stdout, fail with the logs.
-    Past `timeout` torchrun and every rank are killed (its process group), never left behind."""
-    from onpolicy.rendezvous import loopback_env, run_group, torchrun
+    """Run `script` as a job of `nproc` local ranks (`onpolicy.rendezvous.torchrun`); return
+    stdout, fail with the logs. Past `timeout` the launcher and every rank are killed (its
+    process group), never left behind, after each printed its stacks (PYTHONFAULTHANDLER).
+    Fails too if a process of the job listened beyond loopback."""
+    from onpolicy.rendezvous import run_group, torchrun
 
     full_env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
             [str(REPO / "integration"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
         ),
-        **loopback_env(),
+        "PYTHONFAULTHANDLER": "1",
         **(env or {}),
     }
+    what = f"job {script.name} x{nproc} {' '.join(args)}"
     try:
-        p = run_group(torchrun(nproc, str(script), *args), env=full_env, timeout=timeout,
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        with Listeners(os.getpid()) as seen:
+            p = run_group(torchrun(nproc, str(script), *args), env=full_env, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun {script.name} x{nproc} {' '.join(args)}: no result within "
-                    f"{timeout:.0f} s, killed with its ranks\n--- stdout ---\n{e.output[-6000:]}"
-                    f"\n--- stderr ---\n{e.stderr[-6000:]}")  # fmt: skip
+        pytest.fail(f"{what}: no result within {timeout:.0f} s, killed with its ranks (their "
+                    f"stacks in stderr)\n--- stdout ---\n{e.output[-6000:]}\n--- stderr ---\n"
+                    f"{e.stderr[-12000:]}")  # fmt: skip
     out, err = p.stdout, p.stderr
     if p.returncode != 0:
         pytest.fail(
-            f"torchrun {script.name} x{nproc} {' '.join(args)} exited {p.returncode}\n"
+            f"{what} exited {p.returncode}\n"
             f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
         )
+    seen.check(what)
     return out
 
 
@@ -46,6 +53,33 @@ def run_torchrun(
 def torchrun():
     """`torchrun(script, nproc, *args)`: a fresh multi-process job; returns its stdout."""
     return run_torchrun
+
+
+@pytest.fixture(scope="session")
+def session_listeners():
+    """The listening sockets of every process this session starts (all descendants of pytest),
+    sampled every 0.2 s from the first test to the last."""
+    with Listeners(os.getpid()) as seen:
+        yield seen
+
+
+@pytest.fixture(autouse=True)
+def _nothing_listens_beyond_loopback(request, session_listeners):
+    """After each test (and the fixtures set up for it): no process the session started has
+    listened beyond loopback since the last test. A test that plants such a listener on
+    purpose asks for `allow_wild_listeners`."""
+    yield
+    session_listeners.sample()
+    new = session_listeners.wild() - session_listeners.reported
+    session_listeners.reported |= new
+    if new and "allow_wild_listeners" not in request.fixturenames:
+        listed = ", ".join(map(str, sorted(new, key=lambda x: (x.pid, x.port))))
+        pytest.fail(f"{request.node.nodeid}: listening beyond loopback: {listed}")
+
+
+@pytest.fixture
+def allow_wild_listeners():
+    """This test's listeners beyond loopback are its point (a planted one, a control)."""
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """One `onpolicy e2e` process as the e2e tests run it, and what they check of its output.
 
 Each run is the CLI in its own process, with a run id in its environment that every process of
-the run inherits; while it runs, a thread records every listening socket of those processes,
-and `check_clean` checks that none of them is left once it has exited.
+the run inherits; while it runs, `listeners.Listeners` records every listening socket of those
+processes (every 0.2 s, and once more when it has exited), and `check_clean` checks that none
+of them is left.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import torch
+from listeners import Listeners
 from onpolicy.grpo.procs import run_processes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,29 +80,14 @@ class Run:
         self.wall_s = 0.0
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=REPO, preexec_fn=_default_sigint)  # fmt: skip
-        self.listeners: set[tuple[str, int, str]] = set()
-        self._stop = threading.Event()
-        self._watch = threading.Thread(target=self._listen, daemon=True)
-        self._watch.start()
+        # The driver's tree, and what carries the run id (a process that left the tree).
+        self.watch = Listeners(self.proc.pid, run_id=self.run_id).start()
         LIVE.add(self)
 
-    def _listen(self) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            pids = set(run_processes(self.run_id)) | {self.proc.pid}
-            try:
-                conns = psutil.net_connections(kind="inet")
-            except psutil.Error:
-                conns = []
-            for c in conns:
-                if c.status == psutil.CONN_LISTEN and c.pid in pids:
-                    try:
-                        name = psutil.Process(c.pid).name()
-                    except psutil.Error:
-                        name = "?"
-                    self.listeners.add((c.laddr.ip, c.laddr.port, name))
-            time.sleep(1.0)
+    @property
+    def listeners(self) -> set[tuple[str, int, str]]:
+        """(address, port, process name) of every listening socket seen of the run."""
+        return {(x.ip, x.port, x.name) for x in self.watch.seen}
 
     def until(self, ready, timeout: float = 900) -> bool:
         """Poll `ready()` while the run lives; True once it holds, False if the run ended (or
@@ -137,8 +123,7 @@ class Run:
         if self in LIVE:
             LIVE.discard(self)
             self.wall_s = time.perf_counter() - self.t0
-            self._stop.set()
-            self._watch.join()
+            self.watch.stop()
             self._log.close()
 
     @property
