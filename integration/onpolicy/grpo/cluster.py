@@ -20,7 +20,7 @@ import torch
 from onpolicy.contract.errors import ContractError
 from onpolicy.grpo import ray_auth
 from onpolicy.grpo.config import E2EConfig
-from onpolicy.grpo.procs import RUN_ID_ENV, reap
+from onpolicy.grpo.procs import RUN_ID_ENV, reap, state
 from onpolicy.rendezvous import free_port
 
 
@@ -59,7 +59,7 @@ class Cluster:
         self._place(ckpt, resume_from)
         starts = [(f"engine{i}", a.start.remote()) for i, a in enumerate(self.engines)]
         setups = [(f"trainer rank {g}", a.setup.remote()) for g, a in enumerate(self.trainers)]
-        values = self.wait(starts + setups, "start")
+        values = self.wait(starts + setups, "start", self.e.run.start_timeout_s)
         self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
         self.pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
         return values[: len(self.engines)]
@@ -111,7 +111,7 @@ class Cluster:
         cuda = c.device == "cuda"
         unit = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
         self.pg = placement_group([dict(unit) for _ in range(self.bundles)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=e.run.actor_timeout_s)
+        ray.get(self.pg.ready(), timeout=e.run.start_timeout_s)
 
         def at(bundle: int, share: float):
             strategy = PlacementGroupSchedulingStrategy(
@@ -120,7 +120,7 @@ class Cluster:
             return {"scheduling_strategy": strategy, "num_cpus": share,
                     "num_gpus": share if cuda else 0}  # fmt: skip
 
-        from onpolicy.contract import resolve_plan
+        from onpolicy.contract import resolve_plan, stock_env
         from onpolicy.rollout import engine_env
 
         plan = resolve_plan(c)
@@ -146,12 +146,13 @@ class Cluster:
         r = c.rollout
         for i in range(r.engines):
             bundle = i * r.tp if r.colocate else t.world + i * r.tp
-            env = {**plan.rollout_env, **base,
+            exact = e.grpo.rollout_path == "exact"
+            env = {**(plan.rollout_env if exact else stock_env(plan.rollout_env)), **base,
                    **engine_env(r.tp, e.cache_dir, c.device)}  # fmt: skip
             if cuda:  # the engine places its TP ranks on GPUs base_gpu_id.. itself
                 env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
             es = EngineSpec(index=i, ckpt=str(ckpt), tp=r.tp, ep=r.ep, dtype=c.model.dtype,
-                            device=c.device, exact=e.grpo.rollout_path == "exact",
+                            device=c.device, exact=exact,
                             routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,
                             top_k=c.shape.num_experts_per_tok,
                             base_gpu_id=bundle if cuda else 0, authkey=self.authkey,
@@ -164,20 +165,22 @@ class Cluster:
     def _loopback(self) -> bool:
         return self.e.run.bind_address in ("127.0.0.1", "localhost")
 
-    def wait(self, calls: list[tuple[str, Any]], what: str) -> list[Any]:
-        """Every call's value; RunError naming the first actor that died, failed or hung."""
+    def wait(self, calls: list[tuple[str, Any]], what: str,
+             timeout: float | None = None) -> list[Any]:  # fmt: skip
+        """Every call's value; RunError naming the first actor that died, failed or hung (no
+        answer within `timeout`, run.actor_timeout_s by default)."""
         import ray
 
         names = {ref: name for name, ref in calls}
         pending = [ref for _, ref in calls]
-        deadline = time.monotonic() + self.e.run.actor_timeout_s
+        timeout = self.e.run.actor_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
             if not ready:
-                hung = ", ".join(names[r] for r in pending)
-                raise RunError(f"{what}: no answer from {hung} within "
-                               f"{self.e.run.actor_timeout_s:.0f} s", 3)  # fmt: skip
+                hung = ", ".join(self._describe(names[r]) for r in pending)
+                raise RunError(f"{what}: no answer from {hung} within {timeout:.0f} s", 3)
             if _error(ready[0]) is not None:
                 # A rank whose peer died fails in its collective at once, often before Ray has
                 # noticed the death: wait briefly for the rest, and name a dead actor first.
@@ -189,6 +192,12 @@ class Cluster:
                 verb = "died" if dead else "failed"
                 raise RunError(f"{what}: {names[ref]} {verb}: {_cause(err)}", 3)
         return ray.get([ref for _, ref in calls])
+
+    def _describe(self, name: str) -> str:
+        """An actor's name, with its process id and state once known ("trainer rank 1 (pid
+        4242, stopped)"): which of the actors that did not answer is the stuck one."""
+        pid = self.pids.get(name)
+        return name if pid is None else f"{name} (pid {pid}, {state(pid)})"
 
     def all(self, actors: list[Any], label: str, method: str, *args, **kw) -> list[Any]:
         calls = [

@@ -119,6 +119,9 @@ class RunSettings:
     actor_timeout_s: float = 1800.0
     """Seconds one actor call (a rollout, a training step, a sync) may take before the run
     counts its actor as hung and stops."""
+    start_timeout_s: float = 1800.0
+    """Seconds the start may take (the placement group, every engine's start and every
+    trainer's setup: loading the weights) before the run counts the actors not ready as hung."""
     save_samples: bool = False
     """Write every step's samples (prompt, response ids and text, reward) to
     samples/step_NNNNNNN.jsonl, and the eval samples to samples/eval_NNNNNNN.jsonl."""
@@ -202,9 +205,10 @@ def _check(e: E2EConfig) -> None:
             f"grpo.rollout_path = 'stock' on device {e.cfg.device!r}",
             "the stock control runs on the CPU engine",
         )
-    if not r.actor_timeout_s > 0:
-        raise ContractError("run_config", f"run.actor_timeout_s = {r.actor_timeout_s}",
-                            "set the seconds one actor call may take, above 0")  # fmt: skip
+    for key in ("actor_timeout_s", "start_timeout_s"):
+        if not getattr(r, key) > 0:
+            raise ContractError("run_config", f"run.{key} = {getattr(r, key)}",
+                                "set the seconds it may take, above 0")  # fmt: skip
     if r.checkpoint_every < 0:
         raise ContractError("run_config", f"run.checkpoint_every = {r.checkpoint_every}",
                             "set 0 (never) or a positive step count")  # fmt: skip
