@@ -3,11 +3,14 @@
 The engine cannot live in the trainer's process: `Engine.shutdown()` kills every descendant of
 the process that made it, and `SGLANG_USE_CPU_ENGINE` must be set before sglang is imported.
 `python -m onpolicy.rollout.host` starts the engine (`onpolicy.rollout.engine.launch`), listens
-on 127.0.0.1 with an authkey (`multiprocessing.connection`), writes its address file last, and
-serves one client at a time: generate, the weight-update session and its transports, the
-weight report. `EngineClient` is the other end; a request can be sent and its reply collected
-later, which is how a trainer broadcasts while the engine receives. `EngineService` (the engine
-in this process) and `EngineClient` are both an `onpolicy.rollout.engine.EngineHandle`.
+on 127.0.0.1 with an authkey (`multiprocessing.connection`'s handshake), writes its address file
+last, and serves one client's session at a time: generate, the weight-update session and its
+transports, the weight report. No client can hold the host: a connection must authenticate
+within STALL_S, a request once begun must arrive within it and a reply be taken within REPLY_S,
+or the client is dropped; a waiting client's `shutdown` is served at once. `EngineClient` is
+the other end; a request can be sent and its reply collected later, which is how a trainer
+broadcasts while the engine receives. `EngineService` (the engine in this process) and
+`EngineClient` are both an `onpolicy.rollout.engine.EngineHandle`.
 """
 
 from __future__ import annotations
@@ -17,12 +20,21 @@ import json
 import multiprocessing
 import os
 import secrets
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (
+    AuthenticationError,
+    Connection,
+    answer_challenge,
+    deliver_challenge,
+    wait,
+)
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +43,14 @@ from onpolicy.rollout.engine import EngineOp, RemoteOps, RolloutRequest
 
 KEY_ENV = "ONPOLICY_HOST_KEY"
 """The authkey (hex) the host and its clients share; only the host's starter knows it."""
+
+STALL_S = 10.0
+"""Seconds a connection may stall mid-exchange (authenticating, or a request once begun) before
+the host drops it: a client that connects and says nothing never holds the host."""
+
+REPLY_S = 900.0
+"""Seconds a reply may wait to be taken (the host's send), and a client's request to be taken
+(the client's send), before that side gives up on the other."""
 
 
 class EngineError(RuntimeError):
@@ -123,24 +143,106 @@ class EngineService:
 class _Host(EngineService):
     """The socket server around an `EngineService`."""
 
-    def serve(self, listener: Listener) -> None:
-        while True:
-            conn = listener.accept()
-            try:
-                while True:
-                    try:
-                        op, kw = conn.recv()
-                    except EOFError:
-                        break
-                    if op == "shutdown":
-                        conn.send(("ok", None))
+    def serve(self, server: socket.socket, key: bytes) -> None:
+        """Serve requests until a client asks for `shutdown`. One session at a time: the active
+        client's requests run in order; clients that connect meanwhile wait, in order, with at
+        most one request read and held each, except `shutdown`, which is served at once."""
+        active: Connection | None = None
+        waiting: list[list] = []  # [conn, its held request or None]
+        try:
+            while True:
+                watch = [server, *([active] if active else []),
+                         *(c for c, held in waiting if held is None)]  # fmt: skip
+                for ready in wait(watch):
+                    if ready is server:
+                        if (conn := _accept(server, key)) is not None:
+                            waiting.append([conn, None])
+                        continue
+                    request = _read(ready)
+                    if ready is active:
+                        if request is None or not self._answer(active, request):
+                            active = _close(active)
+                        elif request[0] == "shutdown":
+                            return
+                        continue
+                    entry = next(e for e in waiting if e[0] is ready)
+                    if request is None:
+                        waiting.remove(entry)
+                        _close(ready)
+                    elif request[0] == "shutdown":
+                        self._answer(ready, request)
                         return
-                    try:
-                        conn.send(("ok", getattr(self, op)(**kw)))
-                    except Exception as e:  # the reply names it; the engine keeps serving
-                        conn.send(("error", f"{type(e).__name__}: {e}"))
-            finally:
-                conn.close()
+                    else:
+                        entry[1] = request
+                while active is None and waiting:  # the next session, its held request first
+                    active, held = waiting.pop(0)
+                    if held is not None and not self._answer(active, held):
+                        active = _close(active)
+        finally:
+            for conn in [active, *(c for c, _ in waiting)]:
+                _close(conn)
+
+    def _answer(self, conn: Connection, request: tuple) -> bool:
+        """Run one request and send its reply; False when the client did not take it."""
+        op, kw = request
+        if op == "shutdown":
+            reply = ("ok", None)
+        else:
+            try:
+                reply = ("ok", getattr(self, op)(**kw))
+            except Exception as e:  # the reply names it; the engine keeps serving
+                reply = ("error", f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except OSError as e:
+            _say(f"dropped a client that did not take the reply to {op} within {REPLY_S:.0f} s "
+                 f"({type(e).__name__})")  # fmt: skip
+            return False
+        return True
+
+
+def _bound(sock: socket.socket, recv_s: float, send_s: float) -> None:
+    """Each blocking read (write) on `sock` fails with OSError after `recv_s` (`send_s`) seconds
+    without progress; 0 lifts the bound."""
+    for opt, sec in ((socket.SO_RCVTIMEO, recv_s), (socket.SO_SNDTIMEO, send_s)):
+        sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(sec), int(sec % 1 * 1e6)))
+
+
+def _accept(server: socket.socket, key: bytes) -> Connection | None:
+    """The next connection, authenticated within STALL_S; None (and a line on stderr) if not."""
+    sock, peer = server.accept()
+    _bound(sock, STALL_S, REPLY_S)
+    conn = Connection(sock.detach())
+    try:
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
+    except (OSError, EOFError, AuthenticationError) as e:
+        _say(f"dropped a connection from {peer[0]}:{peer[1]} that did not authenticate within "
+             f"{STALL_S:.0f} s ({type(e).__name__})")  # fmt: skip
+        conn.close()
+        return None
+    return conn
+
+
+def _read(conn: Connection) -> tuple | None:
+    """The request a readable client sent; None if it closed, or stalled past STALL_S."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
+    except OSError as e:
+        _say(f"dropped a client whose request did not arrive within {STALL_S:.0f} s "
+             f"({type(e).__name__})")  # fmt: skip
+        return None
+
+
+def _close(conn: Connection | None) -> None:
+    if conn is not None:
+        conn.close()
+
+
+def _say(msg: str) -> None:
+    print(f"engine host: {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,14 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     host = _Host(args.ckpt, tp=args.tp, ep=args.ep, dtype=args.dtype, exact=not args.stock,
                  **json.loads(args.engine_args))  # fmt: skip
     try:
-        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+        with socket.create_server(("127.0.0.1", 0)) as server:
             out = Path(args.address_file)
             tmp = out.with_name(out.name + ".tmp")
-            addr = {"host": "127.0.0.1", "port": listener.address[1], "pid": os.getpid(),
+            addr = {"host": "127.0.0.1", "port": server.getsockname()[1], "pid": os.getpid(),
                     "tp": args.tp, "ep": args.ep}  # fmt: skip
             tmp.write_text(json.dumps(addr))
             os.replace(tmp, out)
-            host.serve(listener)
+            host.serve(server, key)
     finally:
         host.shutdown()
 
@@ -222,7 +324,7 @@ class EngineHost:
                                   f"{self.proc.returncode} while starting; see {self.log}:\n"
                                   f"{_tail(self.log)}")  # fmt: skip
             if time.monotonic() > deadline:
-                self.proc.kill()
+                self._kill()
                 raise EngineError(f"{self.name}: the engine did not start within {timeout:.0f} s; "
                                   f"see {self.log}")  # fmt: skip
             time.sleep(0.5)
@@ -234,18 +336,38 @@ class EngineHost:
         return client
 
     def stop(self, timeout: float = 120.0) -> None:
-        """Shut the engine down (it frees its scheduler processes), killing it if it hangs."""
+        """Shut the engine down (it frees its scheduler processes): connect, ask, and wait for
+        the host to exit, all within `timeout` s, whoever else is connected; past it, or if
+        the engine is not serving yet, kill the host's process group, saying why on stderr."""
         if self.proc.poll() is not None:
             return
+        if not self.address_file.exists():
+            _say(f"{self.name}: not serving yet; killing its process group")
+            self._kill()
+            return
+        deadline = time.monotonic() + timeout
+        step = "the connection"
         try:
-            c = self.connect()
-            c.send("shutdown")
-            c.result(timeout)
-            c.conn.close()
-            self.proc.wait(timeout=timeout)
-        except (EngineError, OSError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
+            c = EngineClient.connect(self.name, self.address_file, self.key,
+                                     timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
+            c.proc, c.log = self.proc, self.log
+            step = "the reply to shutdown"
+            c.call("shutdown", timeout=max(0.1, deadline - time.monotonic()))
+            c.close()
+            step = "the host's exit"
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except (EngineError, OSError, ValueError, subprocess.TimeoutExpired) as e:
+            _say(f"{self.name}: no clean shutdown within {timeout:.0f} s (waiting for {step}: "
+                 f"{type(e).__name__}: {e}); killing its process group")  # fmt: skip
+            self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL the host and everything in its process group, and reap it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 # --- the client -----------------------------------------------------------------------------
@@ -269,13 +391,32 @@ class EngineClient(RemoteOps):
     """Ops sent whose replies are not collected yet, oldest first."""
 
     @classmethod
-    def connect(cls, name: str, address_file: str | os.PathLike, key: str) -> EngineClient:
-        """Connect to a running host by its address file."""
+    def connect(cls, name: str, address_file: str | os.PathLike, key: str,
+                timeout: float = 120.0) -> EngineClient:  # fmt: skip
+        """Connect to a running host by its address file; EngineError if the host does not
+        take and authenticate the connection within `timeout` s (it answers between requests,
+        so a long request of another client delays it)."""
         a = json.loads(Path(address_file).read_text())
         # The same authkey as the engine's processes: they then accept this process's
         # shared-memory tensor handles (torch's file-descriptor sharing authenticates with it).
-        multiprocessing.current_process().authkey = bytes.fromhex(key)
-        conn = Client((a["host"], a["port"]), authkey=bytes.fromhex(key))
+        multiprocessing.current_process().authkey = secret = bytes.fromhex(key)
+        where = f"{a['host']}:{a['port']}"
+        try:
+            sock = socket.create_connection((a["host"], a["port"]), timeout=timeout)
+        except OSError as e:
+            raise EngineError(f"{name}: cannot connect to the engine host at {where}: {e}") from e
+        sock.settimeout(None)
+        _bound(sock, timeout, timeout)
+        conn = Connection(sock.detach())
+        try:
+            answer_challenge(conn, secret)
+            deliver_challenge(conn, secret)
+        except (OSError, EOFError) as e:
+            conn.close()
+            msg = f"did not authenticate this client within {timeout:.0f} s ({type(e).__name__})"
+            raise EngineError(f"{name}: the engine host at {where} {msg}") from e
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:  # the same socket: its options
+            _bound(s, 0, REPLY_S)  # replies: `result` bounds them; requests: REPLY_S
         return cls(name=name, tp=a["tp"], ep=a["ep"], conn=conn)
 
     def send(self, op: str, **kw) -> None:
@@ -284,6 +425,9 @@ class EngineClient(RemoteOps):
             self.conn.send((op, kw))
         except (BrokenPipeError, ConnectionResetError, EOFError) as e:
             raise self._died(op) from e
+        except OSError as e:  # SO_SNDTIMEO: the host took none of it
+            raise EngineError(f"{self.name}: the engine host did not take the request {op} "
+                              f"within {REPLY_S:.0f} s") from e  # fmt: skip
         self.pending.append(op)
 
     def result(self, timeout: float = 900.0):
