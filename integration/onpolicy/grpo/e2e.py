@@ -155,12 +155,18 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
     return code
 
 
-def gpu_memory_used() -> list[int]:
-    """Memory used on every GPU of this host, in MiB (nvidia-smi)."""
+def gpu_memory_used(timeout: float = 60.0) -> list[int]:
+    """Memory used on every GPU of this host, in MiB (nvidia-smi); RuntimeError naming the
+    wait if nvidia-smi gives no answer within `timeout` s (a wedged driver can hang it)."""
     import subprocess
 
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                             timeout=timeout).stdout  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"nvidia-smi gave no answer within {timeout:.0f} s (GPU memory "
+                           "after teardown): the driver may be wedged") from None  # fmt: skip
     return [int(x) for x in out.split()]
 
 
