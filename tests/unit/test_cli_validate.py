@@ -123,13 +123,13 @@ def test_the_loop_tables_are_checked_as_e2e_checks_them(
     assert main(["validate", "--config", str(bad)]) == 2
     assert "unknown config key 'grpo.temprature'" in capsys.readouterr().err
     for key, value, rule, what in (
-        ("optimizer.lr", "-1e-3", "optimizer_config", "lr must be above 0, got -0.001"),
-        ("optimizer.clip_grad", "-1.0", "optimizer_config", "clip_grad must be >= 0"),
+        ("optimizer.lr", "-1e-3", "optimizer_config", "lr must be finite and above 0, got -0.001"),
+        ("optimizer.clip_grad", "-1.0", "optimizer_config", "clip_grad must be finite and >= 0"),
         ("optimizer.adam_beta2", "1.0", "optimizer_config", "adam_beta2 must be in [0, 1)"),
         ("run.actor_timeout_s", "0", "run_config", "run.actor_timeout_s = 0"),
         ("run.start_timeout_s", "-1", "run_config", "run.start_timeout_s = -1"),
         ("loss.eps_clip_low", "1.5", "loss_config", "eps_clip_low must be in [0, 1)"),
-        ("grpo.temperature", "0.0", "grpo_config", "grpo.temperature = 0.0 must be above 0"),
+        ("grpo.temperature", "0.0", "grpo_config", "grpo.temperature = 0.0 must be finite"),
     ):  # fmt: skip
         assert main(["validate", "--config", str(TINY), "--set", f"{key}={value}"]) == 2, key
         err = capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import tomllib
 from pathlib import Path
@@ -15,6 +16,7 @@ from onpolicy.grpo.e2e import format_table, main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-cpu.toml"
+MATH = REPO / "configs" / "tiny-cpu-math.toml"
 PUBLISHED = REPO / "configs" / "qwen3-30b-a3b-tp2pp2ep2-sp.toml"
 
 
@@ -134,3 +136,34 @@ def test_final_table_has_a_row_per_step():
     assert len(lines) == 3 and lines[0].split()[:3] == ["step", "abs_diff", "kl"]
     assert lines[1].split()[:3] == ["1", "0.0", "0.0"] and "0.0377" in lines[1]
     assert lines[2].split()[:3] == ["2", "1e-09", "-"]
+
+
+def _numeric_keys(e) -> list[tuple[str, str, object]]:
+    tables = {"grpo": e.grpo, "loss": e.loss, "optimizer": e.optimizer, "sync": e.sync,
+              "run": e.run, "data": e.data, "reward": e.reward, "eval": e.eval,
+              "task": e.task}  # fmt: skip
+    return [(t, f.name, getattr(obj, f.name)) for t, obj in tables.items() if obj is not None
+            for f in dataclasses.fields(obj)
+            if isinstance(getattr(obj, f.name), int | float)
+            and not isinstance(getattr(obj, f.name), bool)]  # fmt: skip
+
+
+def test_every_numeric_key_of_every_table_has_a_range_rule():
+    """Found by walking the tables, not listed: a negative count, and a NaN or infinite float,
+    is refused by a rule naming the key, before anything starts. (Only a reward threshold may
+    be negative: custom rewards may be.)"""
+    from onpolicy.grpo.config import load_e2e_config
+
+    negative_ok = {"eval.pass_threshold"}
+    seen = 0
+    for config in (TINY, MATH):
+        for table, key, value in _numeric_keys(load_e2e_config(config)):
+            name = f"{table}.{key}"
+            bads = [float("nan"), float("inf"), -float("inf")] if isinstance(value, float) else []
+            bads += [] if name in negative_ok else [-1]
+            for bad in bads:
+                with pytest.raises((ContractError, ValueError)) as err:
+                    load_e2e_config(config, {name: bad})
+                assert key in str(err.value), (name, bad, str(err.value))
+                seen += 1
+    assert seen >= 60, seen

@@ -149,8 +149,8 @@ def test_kl_needs_reference_logprobs():
 @pytest.mark.parametrize(
     "kwargs, rule",
     [({"eps_clip_low": 1.0}, "eps_clip_low must be in \\[0, 1\\), got 1.0"),
-     ({"eps_clip_high": -0.1}, "eps_clip_high must be >= 0, got -0.1"),
-     ({"kl_coef": -1.0}, "kl_coef must be >= 0"),
+     ({"eps_clip_high": -0.1}, "eps_clip_high must be finite and >= 0, got -0.1"),
+     ({"kl_coef": -1.0}, "kl_coef must be finite and >= 0"),
      ({"kl_estimator": "k4"}, "kl_estimator must be k1, k2 or k3, got 'k4'")],
 )  # fmt: skip
 def test_bad_config_is_refused(kwargs, rule):

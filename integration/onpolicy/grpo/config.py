@@ -25,6 +25,7 @@ layout the contract's rules refuse, is a `ContractError` naming the key or the r
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,12 +188,14 @@ def _check(e: E2EConfig) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ContractError("grpo_config", f"{key} = {value} must be at least 1", f"set {key}")
-    if not g.temperature > 0:
+    if not (g.temperature > 0 and math.isfinite(g.temperature)):
         raise ContractError(
             "grpo_config",
-            f"grpo.temperature = {g.temperature} must be above 0",
+            f"grpo.temperature = {g.temperature} must be finite and above 0",
             "sample at a positive temperature (the trainer scores at it)",
         )
+    if g.seed < 0:
+        raise ContractError("grpo_config", f"grpo.seed = {g.seed}", "set a seed of 0 or more")
     if not 0.0 < g.engine_mem_fraction < 1.0:
         raise ContractError("grpo_config", f"grpo.engine_mem_fraction = {g.engine_mem_fraction}",
                             "set a fraction between 0 and 1")  # fmt: skip
@@ -206,9 +209,9 @@ def _check(e: E2EConfig) -> None:
             "the stock control runs on the CPU engine",
         )
     for key in ("actor_timeout_s", "start_timeout_s"):
-        if not getattr(r, key) > 0:
+        if not (getattr(r, key) > 0 and math.isfinite(getattr(r, key))):
             raise ContractError("run_config", f"run.{key} = {getattr(r, key)}",
-                                "set the seconds it may take, above 0")  # fmt: skip
+                                "set the seconds it may take: finite, above 0")  # fmt: skip
     if r.checkpoint_every < 0:
         raise ContractError("run_config", f"run.checkpoint_every = {r.checkpoint_every}",
                             "set 0 (never) or a positive step count")  # fmt: skip
@@ -256,7 +259,7 @@ def _resolve_reward(task: str, reward: RewardConfig) -> RewardConfig:
             f"reward.path = {reward.path!r} with reward.name = {name!r}",
             "set reward.path = 'package.module:function' for name = 'custom', and only then",
         )
-    if reward.workers < 1 or not reward.timeout_s > 0:
+    if reward.workers < 1 or not (reward.timeout_s > 0 and math.isfinite(reward.timeout_s)):
         raise ContractError("reward_config", f"reward.workers = {reward.workers}, "
                             f"reward.timeout_s = {reward.timeout_s}",
                             "set at least 1 worker and a positive timeout")  # fmt: skip
@@ -288,12 +291,15 @@ def _check_data(e: E2EConfig) -> None:
                        "eval.max_prompts": v.max_prompts}.items():  # fmt: skip
         if value < 0:
             raise ContractError("eval_config", f"{key} = {value}", "set 0 or more")
-    if v.samples_per_prompt < 1 or not v.temperature >= 0:
+    if v.samples_per_prompt < 1 or not (v.temperature >= 0 and math.isfinite(v.temperature)):
         raise ContractError(
             "eval_config",
             f"eval.samples_per_prompt = {v.samples_per_prompt}, eval.temperature = {v.temperature}",
             "sample at least once, at a temperature of 0 (greedy) or more",
         )
+    if not math.isfinite(v.pass_threshold):
+        raise ContractError("eval_config", f"eval.pass_threshold = {v.pass_threshold}",
+                            "set a finite reward a sample must reach to pass")  # fmt: skip
     if v.every and not d.eval_file:
         raise ContractError("eval_config", f"eval.every = {v.every} without data.eval_file",
                             "set data.eval_file, or eval.every = 0")  # fmt: skip

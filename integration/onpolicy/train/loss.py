@@ -21,6 +21,7 @@ its range are refused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,10 +48,11 @@ class PPOClipConfig:
         if not 0.0 <= self.eps_clip_low < 1.0:
             raise ValueError(f"PPOClipConfig: eps_clip_low must be in [0, 1), got "
                              f"{self.eps_clip_low}")  # fmt: skip
-        if self.eps_clip_high < 0.0:
-            raise ValueError(f"PPOClipConfig: eps_clip_high must be >= 0, got {self.eps_clip_high}")
-        if self.kl_coef < 0.0:
-            raise ValueError(f"PPOClipConfig: kl_coef must be >= 0, got {self.kl_coef}")
+        if not (self.eps_clip_high >= 0.0 and math.isfinite(self.eps_clip_high)):
+            raise ValueError(f"PPOClipConfig: eps_clip_high must be finite and >= 0, got "
+                             f"{self.eps_clip_high}")  # fmt: skip
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"PPOClipConfig: kl_coef must be finite and >= 0, got {self.kl_coef}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"PPOClipConfig: kl_estimator must be k1, k2 or k3, got "
                              f"{self.kl_estimator!r}")  # fmt: skip

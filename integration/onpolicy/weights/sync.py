@@ -18,6 +18,7 @@ boxes of the trainer's tensors, and names every tensor and engine that differ.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -58,6 +59,9 @@ class SyncConfig:
                              f"{TRANSPORTS}")  # fmt: skip
         if self.bucket_bytes < 1:
             raise ValueError(f"weight sync: bucket_bytes must be positive, got {self.bucket_bytes}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"weight sync: timeout_s must be finite and above 0, got "
+                             f"{self.timeout_s}")  # fmt: skip
 
 
 @dataclass(slots=True)
