@@ -171,6 +171,30 @@ def test_filtered_run_is_on_policy_and_resumes(runs):
     print(f"\nwall: first {first.wall_s:.1f} s, resumed {resumed.wall_s:.1f} s")
 
 
+def test_a_resume_with_nothing_left_to_run_is_refused_before_any_write(runs, monkeypatch,
+                                                                      capsys):  # fmt: skip
+    """--resume of the finished run (`latest` is step 4, the run is 4 steps): exit 2 naming
+    the rule, before anything in the folder is written."""
+    from onpolicy.grpo.e2e import main
+    from onpolicy.grpo.procs import RUN_ID_ENV
+
+    run = runs["resumed"]
+    assert run.code == 0 and run.latest() == 4, run.text[-3000:]
+    from onpolicy.fsutil import LOCK_NAME
+
+    def state() -> dict:  # every file but the lock (which takes the refused run's pid)
+        return {p: p.stat().st_mtime_ns for p in run.out.rglob("*") if p.name != LOCK_NAME}
+
+    before = state()
+    monkeypatch.setenv(RUN_ID_ENV, uuid.uuid4().hex)
+    args = ["--config", str(CONFIG), "--out", str(run.out), "--resume", "--steps", "4"]
+    args += _sets(*SMALL, *FILTERED)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "[resume_step]" in err and "`latest` is step 4 and the run is 4 steps" in err, err
+    assert state() == before
+
+
 def test_filtered_steps_keep_the_groups_with_signal_and_continue_the_stream(runs, task):
     """Per step, from its samples file (every sample taken, trained or dropped): the samples in
     sampling order are `filter/batches` batches of the stream from where the previous step left

@@ -111,7 +111,12 @@ class Cluster:
         cuda = c.device == "cuda"
         unit = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
         self.pg = placement_group([dict(unit) for _ in range(self.bundles)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=e.run.start_timeout_s)
+        try:
+            ray.get(self.pg.ready(), timeout=e.run.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(f"start: the placement group of {self.bundles} bundles ({unit} each) "
+                           f"was not ready within {e.run.start_timeout_s:.0f} s: the cluster "
+                           "lacks the resources", 3) from None  # fmt: skip
 
         def at(bundle: int, share: float):
             strategy = PlacementGroupSchedulingStrategy(

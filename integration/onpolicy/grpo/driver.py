@@ -152,6 +152,10 @@ class Driver:
             if it is None:
                 raise RunError(f"--resume: no checkpoint under {root} (run.checkpoint_every "
                                "saves one every N steps)", 2)  # fmt: skip
+            if it >= self.last_step:
+                raise RunError(f"[resume_step] --resume: `latest` is step {it} and the run is "
+                               f"{self.last_step} steps: nothing left to run; ask for more with "
+                               "--steps or grpo.steps", 2)  # fmt: skip
             self.resume_from, self.start_step = root, it
             for old, new in torch_dist.set_aside_newer(root):
                 self.log(f"onpolicy e2e: warning: {old.name} is newer than `latest` ({it}), a save "

@@ -5,7 +5,8 @@
 
 Exit codes: 0 every step ran (in true-on-policy mode: abs_diff and kl 0.0 at every step);
 1 a step broke the true-on-policy assertion; 2 a refused config or resume; 3 an actor died,
-failed or hung, or a process of the run had to be killed at teardown; 130 interrupted.
+failed or hung, the system failed the driver (an OSError: a full disk, a missing file), or a
+process of the run had to be killed at teardown; 130 interrupted.
 
 The run directory (run.out, default runs/<config name>):
 
@@ -124,6 +125,9 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
     except RunError as err:
         code, graceful = err.code, False
         say(f"onpolicy e2e: {err}")
+    except OSError as err:  # the system, not the run's logic: one line, not a traceback
+        code, graceful = 3, False
+        say(f"onpolicy e2e: {type(err).__name__}: {err}")
     except KeyboardInterrupt:
         code, graceful = 130, False
         say("onpolicy e2e: interrupted; tearing down")
