@@ -12,6 +12,7 @@ nox -s bench -- --gpu        the exact kernels vs cuBLAS/SDPA and the full-size 
 nox -s parity                SGLang samples, Megatron scores: log-probs bitwise per layout pair
 nox -s convert -- ...        `onpolicy convert`: HF <-> Megatron torch-dist checkpoints, reshard
 nox -s e2e                   the GRPO loop on configs/tiny-cpu.toml (`-- --config FILE ...`)
+nox -s gpu-wheels            the offline GPU host's cp312 wheels, in parts (docs/gpu-host.md)
 """
 
 from __future__ import annotations
@@ -194,3 +195,14 @@ def e2e(session: nox.Session) -> None:
         args = ["--config", str(ROOT / "configs/tiny-cpu.toml"), *args]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     session.run("onpolicy", "e2e", *args, env=env)
+
+
+@nox.session(name="gpu-wheels", python="3.11", default=False)
+def gpu_wheels(session: nox.Session) -> None:
+    """The offline GPU host's files (docs/gpu-host.md): gpu-host-requirements.txt's cp312 wheels
+    and the pinned sglang cp312 wheel and megatron-core sdist, checked for unmet requirements,
+    in build/wheels-cp312/part-NN/ folders of <= 60 MiB with a sha256 manifest; skipped when
+    the requirements and pins are unchanged. `-- --cap-mib N` sets the part size."""
+    session.install("pip", "packaging")  # pip download for another Python; marker evaluation
+    _tool(session, "onpolicy.upstream.gpu_wheels", "download", "--out",
+          str(ROOT / "build/wheels-cp312"), *session.posargs)  # fmt: skip

@@ -1,0 +1,185 @@
+"""The offline GPU host's wheel set: the pinned requirement list, the parts and their manifest
+(size cap, sha256 refusal before anything is installed) and the unmet-requirement check, on
+small fake wheels made here (no network, no pip)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onpolicy.upstream import gpu_wheels, parts
+from onpolicy.upstream.errors import UpstreamError
+
+FORBIDDEN = re.compile(r"^(torch|triton|nvidia-.*|sgl-kernel|sglang-kernel|flashinfer.*)$")
+
+
+def fake_files(folder: Path, sizes: dict[str, int]) -> list[tuple[Path, str, str, None]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i, (name, size) in enumerate(sorted(sizes.items())):
+        path = folder / f"{name}-1.{i}-py3-none-any.whl"
+        path.write_bytes(bytes((i * 7 + j) % 251 for j in range(size)))
+        out.append((path, name, f"1.{i}", None))
+    return out
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_requirement_list_pins_every_line_and_ships_nothing_the_host_has_or_cannot_install():
+    text = gpu_wheels.REQUIREMENTS.read_text()
+    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    unpinned = [ln for ln in lines if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!_-]+", ln)]
+    assert not unpinned, f"lines not pinned with ==: {unpinned}"
+    names = [gpu_wheels.canonical(ln.split("==")[0]) for ln in lines]
+    assert not [n for n in names if FORBIDDEN.match(n)], "torch/triton/nvidia-*/kernels shipped"
+    reqs = gpu_wheels.read_requirements()
+    assert sorted(reqs.pins) == sorted(names), "read_requirements skipped or invented a line"
+    for name in ("torch", "triton", "nvidia-*", "sglang-kernel", "flashinfer-python"):
+        assert reqs.excluded.get(name), f"no `# exclude {name}: why` line"
+
+
+@pytest.mark.parametrize(
+    ("line", "refused"),
+    [
+        ("numpy", "not pinned"),
+        ("numpy>=2.0", "not pinned"),
+        ("torch==2.11.0", "must not be shipped"),
+        ("nvidia-cublas==13.1.0", "must not be shipped"),
+        ("flashinfer_python==0.7.2", "must not be shipped"),
+        ("sgl_kernel==0.4.10", "must not be shipped"),
+        ("timm==1.0.25", "must not be shipped"),  # excluded in the file itself
+        ("numpy==2.3.5\nNumPy==2.3.5", "pinned twice"),
+    ],
+)
+def test_the_requirement_reader_refuses_unpinned_and_unshippable_lines(tmp_path, line, refused):
+    path = tmp_path / "reqs.txt"
+    path.write_text(f"# exclude timm: vision only\nsix==1.17.0\n{line}\n")
+    with pytest.raises(UpstreamError, match=refused):
+        gpu_wheels.read_requirements(path)
+
+
+def test_parts_respect_the_cap_and_a_file_over_it_is_cut_into_parts_of_its_own(tmp_path):
+    cap = 1000
+    files = fake_files(tmp_path / "in", {"big": 2500, "a": 600, "b": 500, "c": 400, "d": 90})
+    manifest = parts.bundle(files, tmp_path / "out", cap=cap)
+    folders = sorted((tmp_path / "out").glob("part-*"))
+    assert len(folders) == manifest["parts"]
+    for folder in folders:
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.name != parts.MANIFEST)
+        assert size <= cap, f"{folder.name} holds {size} bytes > {cap}"
+        assert json.loads((folder / parts.MANIFEST).read_text()) == manifest
+    big = next(i for i in parts.items(manifest) if i.name == "big")
+    assert [p.size for p in big.pieces] == [1000, 1000, 500]
+    for piece in big.pieces:
+        alone = [f.name for f in parts.part_dir(tmp_path / "out", piece.part).iterdir()]
+        assert sorted(alone) == sorted([piece.file, parts.MANIFEST]), f"{piece} shares its part"
+    found = parts.verify(tmp_path / "out", parts.items(manifest))
+    for path, *_ in files:
+        whole = parts.joined(found[path.name], tmp_path / "joined" / path.name)
+        assert whole.read_bytes() == path.read_bytes(), f"{path.name} not rebuilt"
+    assert big.file in parts.summary(manifest)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=5000), min_size=1, max_size=30),
+       st.integers(min_value=1, max_value=2000))  # fmt: skip
+def test_split_never_exceeds_the_cap_and_places_every_byte_once(sizes, cap):
+    named = {f"f{i}": s for i, s in enumerate(sizes)}
+    layout = parts.split(named, cap)
+    for part in layout:
+        assert sum(length for _, _, length in part) <= cap
+        assert len(part) == 1 or all(named[f] <= cap for f, _, _ in part), "a piece shares a part"
+    for f, size in named.items():
+        spans = sorted((start, length) for p in layout for g, start, length in p if g == f)
+        assert [s for s, _ in spans] == (list(range(0, size, cap)) if size > cap else [0])
+        assert sum(length for _, length in spans) == size
+
+
+@pytest.mark.parametrize("victim", ["a", "big"])  # a whole wheel, a piece of one over the cap
+def test_a_changed_file_is_refused_naming_it_and_both_hashes(tmp_path, victim):
+    files = fake_files(tmp_path / "in", {"big": 2500, "a": 600})
+    manifest = parts.bundle(files, tmp_path / "out", cap=1000)
+    piece = next(i for i in parts.items(manifest) if i.name == victim).pieces[-1]
+    path = parts.part_dir(tmp_path / "out", piece.part) / piece.file
+    data = bytearray(path.read_bytes())
+    data[7] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(UpstreamError) as e:
+        parts.verify(tmp_path / "out", parts.items(manifest))
+    msg = str(e.value)
+    assert piece.file in msg and piece.sha256 in msg and sha(path) in msg, msg
+
+
+def test_the_installer_checks_every_file_before_it_installs_anything(tmp_path, monkeypatch):
+    files = fake_files(tmp_path / "in", {"a": 600, "b": 500, "c": 400})
+    manifest = parts.bundle(files, tmp_path / "out", cap=1000)
+    ran = []
+    monkeypatch.setattr(gpu_wheels, "_run", ran.append)
+    last = parts.items(manifest)[-1].pieces[0]
+    path = parts.part_dir(tmp_path / "out", last.part) / last.file
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(UpstreamError, match="sha256 mismatch"):
+        gpu_wheels.install(tmp_path, tmp_path / "out")
+    assert ran == [], "pip ran before every file was checked"
+    for folder in (tmp_path / "out").glob("part-0[2-9]"):
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    with pytest.raises(UpstreamError, match=r"parts \[2"):
+        gpu_wheels.install(tmp_path, tmp_path / "out")
+    assert ran == []
+
+
+def test_parts_of_two_downloads_are_not_mixed(tmp_path):
+    parts.bundle(fake_files(tmp_path / "in", {"a": 600, "b": 500}), tmp_path / "out", cap=700)
+    other = parts.part_dir(tmp_path / "out", 2) / parts.MANIFEST
+    other.write_text(other.read_text().replace('"cap": 700', '"cap": 701'))
+    with pytest.raises(UpstreamError, match="differ"):
+        parts.load_manifest(tmp_path / "out")
+
+
+def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+    return path
+
+
+def test_every_requirement_of_a_shipped_wheel_is_met_reported_or_refused(tmp_path):
+    reqs = gpu_wheels.Requirements(pins={}, excluded={"timm": "vision only", "nvidia-*": "cuda"})
+    wheels = [
+        fake_wheel(tmp_path, "app", "1.0", [
+            "lib>=2",  # shipped 1.0: refused
+            "gone",  # shipped nowhere: refused
+            "torch>=2.10",  # the host's 2.11.0: met
+            "torch==2.14.1",  # the host's 2.11.0: reported
+            "timm",  # excluded: reported
+            "nvidia-cublas",  # excluded by pattern: reported
+            'old; python_version < "3.12"',  # not on the host's Python: ignored
+            "web[http]",  # asks for web's http extra
+        ]),
+        fake_wheel(tmp_path, "lib", "1.0", []),
+        fake_wheel(tmp_path, "web", "3.0", ['h2; extra == "http"', 'h3; extra == "quic"']),
+    ]  # fmt: skip
+    problems, notes = gpu_wheels.unmet(wheels, reqs, host={"torch": "2.11.0+cu130"})
+    assert sorted(problems) == sorted([
+        "app 1.0 needs lib>=2; shipped: lib 1.0",
+        "app 1.0 needs gone: not shipped, not on the host, not excluded",
+        "web 3.0 needs h2; extra == \"http\": not shipped, not on the host, not excluded",
+    ]), problems  # fmt: skip
+    assert sorted(notes) == sorted([
+        "app needs nvidia-cublas: not shipped (cuda)",
+        "app needs timm: not shipped (vision only)",
+        "app needs torch==2.14.1; the host has torch 2.11.0+cu130",
+    ]), notes  # fmt: skip
