@@ -127,14 +127,16 @@ out["qwen3_moe"] = ModelRegistry.resolve_model_cls(["Qwen3MoeForCausalLM"])[0]._
 
 # The RMSNorm hook, as a CUDA engine dispatches it (BaseFusedOp.forward picks the platform's
 # method): does a call with the switch on reach onpolicy.rollout.ops.rms_norm?
+# (The switch off is the control: the same call then reaches forward_cuda.)
 import onpolicy.rollout.ops as ops
-on = types.SimpleNamespace(deterministic=types.SimpleNamespace(rl_on_policy_target="onpolicy"))
-layernorm.get_exec = lambda: on
 ops.rms_norm = lambda *args: "onpolicy"
-try:
-    out["rms_norm"] = layernorm.RMSNorm(8)(torch.ones(2, 8))
-except Exception as e:
-    out["rms_norm"] = f"{type(e).__name__}: {e}"
+for key, target in (("rms_norm", "onpolicy"), ("rms_norm_off", "")):
+    ex = types.SimpleNamespace(deterministic=types.SimpleNamespace(rl_on_policy_target=target))
+    layernorm.get_exec = lambda ex=ex: ex
+    try:
+        out[key] = layernorm.RMSNorm(8)(torch.ones(2, 8))
+    except Exception as e:
+        out[key] = f"{type(e).__name__}: {e}"
 print(json.dumps(out))
 """
 
@@ -170,16 +172,12 @@ def test_exact_path_imports_on_cuda_without_sgl_kernel_or_flashinfer(patched):
     assert patched["qwen3_moe"] == "sglang.srt.models.qwen3_moe"
 
 
-RMS_NORM_ON_CUDA = (
-    "RMSNorm's onpolicy hook sits in forward_native, but on CUDA BaseFusedOp dispatches to "
-    "forward_cuda (sgl-kernel's rmsnorm): the exact path's norms miss onpolicy on a GPU"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=RMS_NORM_ON_CUDA)
 def test_rms_norm_reaches_onpolicy_under_cuda_dispatch(patched):
-    """A known gap, kept visible: strict, so the fix of the RMSNorm hook turns this red."""
-    assert patched["rms_norm"] == "onpolicy"
+    """An RMSNorm made with the switch on runs forward_native (onpolicy's hook) under CUDA's
+    dispatch; with the switch off the same call goes to forward_cuda, sgl-kernel's rmsnorm
+    (absent here, so it fails): the hook, not the platform, picks the path."""
+    assert patched["rms_norm"] == "onpolicy", patched["rms_norm"]
+    assert patched["rms_norm_off"] == "TypeError: 'NoneType' object is not callable", patched
 
 
 def test_control_without_the_guards_fails_at_an_sgl_kernel_import(work, tmp_path):
