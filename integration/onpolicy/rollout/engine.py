@@ -56,6 +56,11 @@ def engine_env(tp: int, run_dir: str | os.PathLike, device: str = "cpu", *,
             "OMP_NUM_THREADS": "1",
             "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(tp)),
         }
+    elif device == "cuda":
+        # SGLang's CUDA start asserts sglang-kernel's version; the exact path calls none of its
+        # ops (every hook is onpolicy's), and GPU hosts whose torch it was not built for
+        # cannot install it (docs/gpu-host.md).
+        env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
     return env if base is None else {**base, **env}
 
 

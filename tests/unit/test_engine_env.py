@@ -1,0 +1,27 @@
+"""What an engine process's environment carries, per device."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from onpolicy.rollout import engine_env
+
+SKIP = "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"
+
+
+def test_a_cuda_engine_skips_the_sgl_kernel_version_check_and_a_cpu_one_runs_on_cpu(tmp_path):
+    cuda, cpu = engine_env(1, tmp_path, "cuda"), engine_env(2, tmp_path, "cpu")
+    assert cuda[SKIP] == "1" and "SGLANG_USE_CPU_ENGINE" not in cuda, cuda
+    assert SKIP not in cpu and cpu["SGLANG_USE_CPU_ENGINE"] == "1", cpu
+    assert cpu["OMP_NUM_THREADS"] == "1" and cpu["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+
+
+def test_sglang_reads_the_variable_before_its_sgl_kernel_assert():
+    """The pinned SGLang's CUDA start asserts sglang-kernel's version unless SKIP is set: the
+    name must be the one it reads (a renamed variable would let the assert stop the start)."""
+    spec = importlib.util.find_spec("sglang.srt.entrypoints.engine")
+    text = Path(spec.origin).read_text()
+    at = text.index(f'get_bool_env_var("{SKIP}")')
+    guarded = text[at : at + 1200]
+    assert '"sglang-kernel"' in guarded and "assert_pkg_version(" in guarded, guarded
