@@ -55,12 +55,28 @@ def torchrun():
     return run_torchrun
 
 
+SESSION: list[Listeners] = []
+"""The session's watcher, once started (for the summary at the end)."""
+
+
 @pytest.fixture(scope="session")
 def session_listeners():
     """The listening sockets of every process this session starts (all descendants of pytest),
     sampled every 0.2 s from the first test to the last."""
     with Listeners(os.getpid()) as seen:
+        SESSION.append(seen)
         yield seen
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: what the session's processes listened on (the check's evidence)."""
+    for seen in SESSION:
+        ips = sorted({x.ip for x in seen.seen})
+        terminalreporter.write_line(
+            f"listeners: {len(seen.seen)} listening sockets of {len({x.pid for x in seen.seen})} "
+            f"processes seen in {seen.samples} samples, on {', '.join(ips) or 'nothing'}; beyond "
+            f"loopback: {len(seen.wild())} ({len(seen.wild() - seen.reported)} unreported)"
+        )
 
 
 @pytest.fixture(autouse=True)
