@@ -54,9 +54,11 @@ def torchrun(nproc: int, *args: str, host: str = "127.0.0.1") -> list[str]:
 
 def loopback_env(host: str = "127.0.0.1") -> dict[str, str]:
     """Environment for ranks whose rendezvous is on `host`: gloo binds its pairs to the address
-    the machine's host name resolves to unless told the interface, so on a loopback host it is
-    told `lo`."""
-    return {"GLOO_SOCKET_IFNAME": "lo"} if host in ("127.0.0.1", "localhost", "::1") else {}
+    the machine's host name resolves to, and NCCL's bootstrap to the interface it picks, unless
+    told the interface, so on a loopback host both are told `lo`."""
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        return {}
+    return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 def rank_env(rank: int, nproc: int, host: str, port: int) -> dict[str, str]:

@@ -128,8 +128,8 @@ def work(tmp_path_factory, tiny_checkpoint, torchrun) -> dict:
 
 
 def process_tree(pid: int) -> list[int]:
-    """pid and every descendant (Linux /proc): torchrun starts each worker in its own session,
-    so killing torchrun's process group would leave the workers running."""
+    """pid and every descendant (Linux /proc): every process of the job, wherever its
+    session or process group."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()

@@ -7,10 +7,11 @@
 - `reshard --ckpt ROOT_OR_ITER --config RUN.toml [--set K=V] --out ROOT2 [--model-only]`: loads
   at the run's layout (with the optimizer state when saved, unless --model-only) and saves.
 
-Each runs one torchrun job (gloo, CPU) of `onpolicy.checkpoint.convert_worker`. What can be
-checked before the launch is: config, paths, the model against the checkpoint, the layout
-against the model. Exit codes: 0 done, 2 refused input (the rule on stderr), 3 a worker died.
-Outputs are atomic, so a failed job leaves nothing at --out.
+Each runs one local job (`rendezvous.torchrun`, gloo, CPU) of
+`onpolicy.checkpoint.convert_worker`. What can be checked before the launch is: config, paths,
+the model against the checkpoint, the layout against the model. Exit codes: 0 done, 2 refused
+input (the rule on stderr), 3 a worker died. Outputs are atomic, so a failed job leaves nothing
+at --out.
 """
 
 from __future__ import annotations

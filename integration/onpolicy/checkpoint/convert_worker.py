@@ -1,7 +1,8 @@
-"""One torchrun job of `onpolicy convert`: every rank builds the exact model at the job's layout,
+"""One local job of `onpolicy convert`: every rank builds the exact model at the job's layout,
 fills it (HF shard, or a torch-dist load) and saves or exports it.
 
-Run as `torchrun ... -m onpolicy.checkpoint.convert_worker JOB.json` (the CLI writes the job).
+Run as `python -m onpolicy.rendezvous --nproc N -- -m onpolicy.checkpoint.convert_worker JOB.json`
+(`rendezvous.torchrun`, the project's launcher; the CLI writes the job).
 A refused input (CheckpointError, ContractError) is written to JOB_DIR/refused.txt and the rank
 exits 2, so the CLI can tell a refusal from a crash.
 """

@@ -21,7 +21,7 @@ from onpolicy.contract.errors import ContractError
 from onpolicy.grpo import ray_auth
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.procs import RUN_ID_ENV, reap, state
-from onpolicy.rendezvous import free_port
+from onpolicy.rendezvous import free_port, loopback_env
 
 
 class RunError(RuntimeError):
@@ -131,7 +131,7 @@ class Cluster:
         plan = resolve_plan(c)
         share = 0.5 if c.rollout.colocate else 1.0
         # gloo binds the address its host name resolves to unless told the interface.
-        base = {RUN_ID_ENV: self.run_id} | ({"GLOO_SOCKET_IFNAME": "lo"} if self._loopback else {})
+        base = {RUN_ID_ENV: self.run_id} | loopback_env(e.run.bind_address)
         t = c.training
         host = e.run.bind_address
         spec = TrainerSpec(layout=t, dtype=c.model.dtype, device=c.device, ckpt=str(ckpt),

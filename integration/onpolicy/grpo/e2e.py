@@ -143,10 +143,15 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
             say("onpolicy e2e: killed processes of the run left after teardown: " + "; ".join(left))
             code = code or 3
     if e.cfg.device == "cuda":
-        used = gpu_memory_used()
-        say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}")
-        if any(used):
+        try:
+            used = gpu_memory_used()
+        except RuntimeError as err:  # nvidia-smi missing, failed or hung: the check is lost
+            say(f"onpolicy e2e: GPU memory after teardown not known: {err}")
             code = code or 3
+        else:
+            say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}")
+            if any(used):
+                code = code or 3
     wall = time.perf_counter() - t0
     if driver.owns_out:  # a run refused at its folder writes nothing there
         _write(driver.out / "times.json", {**driver.times, "wall_s": wall, "exit": code})
@@ -171,6 +176,8 @@ def gpu_memory_used(timeout: float = 60.0) -> list[int]:
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"nvidia-smi gave no answer within {timeout:.0f} s (GPU memory "
                            "after teardown): the driver may be wedged") from None  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise RuntimeError(f"nvidia-smi failed: {err}") from None
     return [int(x) for x in out.split()]
 
 

@@ -57,14 +57,23 @@ class OptimizerSettings:
         # inside a trainer actor, after the run had set up.
         rules = [
             (self.lr > 0.0 and math.isfinite(self.lr), "lr must be finite and above 0", self.lr),
-            (self.weight_decay >= 0.0 and math.isfinite(self.weight_decay),
-             "weight_decay must be finite and >= 0", self.weight_decay),
+            (
+                self.weight_decay >= 0.0 and math.isfinite(self.weight_decay),
+                "weight_decay must be finite and >= 0",
+                self.weight_decay,
+            ),
             (0.0 <= self.adam_beta1 < 1.0, "adam_beta1 must be in [0, 1)", self.adam_beta1),
             (0.0 <= self.adam_beta2 < 1.0, "adam_beta2 must be in [0, 1)", self.adam_beta2),
-            (self.adam_eps > 0.0 and math.isfinite(self.adam_eps),
-             "adam_eps must be finite and above 0", self.adam_eps),
-            (self.clip_grad >= 0.0 and math.isfinite(self.clip_grad),
-             "clip_grad must be finite and >= 0 (0: off)", self.clip_grad),
+            (
+                self.adam_eps > 0.0 and math.isfinite(self.adam_eps),
+                "adam_eps must be finite and above 0",
+                self.adam_eps,
+            ),
+            (
+                self.clip_grad >= 0.0 and math.isfinite(self.clip_grad),
+                "clip_grad must be finite and >= 0 (0: off)",
+                self.clip_grad,
+            ),
         ]
         for ok, rule, value in rules:
             if not ok:
