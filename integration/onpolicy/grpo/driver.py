@@ -129,8 +129,6 @@ class Driver:
         return self.cluster.all(actors, label, method, *args, **kw)
 
     def setup(self) -> None:
-        from onpolicy.checkpoint import torch_dist
-
         t0 = time.perf_counter()
         # The folder is checked and locked before anything is written to it.
         if not self.resume and self.out.is_dir():
@@ -144,22 +142,11 @@ class Driver:
         except FolderLocked as err:
             raise RunError(f"[run_lock] {err}", 2) from None
         if self.resume:
-            root = self.out / "checkpoints"
             try:
-                it = torch_dist.read_tracker(root) if root.exists() else None
-            except CheckpointError as err:
-                raise RunError(f"--resume: {err}", 2) from None
-            if it is None:
-                raise RunError(f"--resume: no checkpoint under {root} (run.checkpoint_every "
-                               "saves one every N steps)", 2)  # fmt: skip
-            if it >= self.last_step:
-                raise RunError(f"[resume_step] --resume: `latest` is step {it} and the run is "
-                               f"{self.last_step} steps: nothing left to run; ask for more with "
-                               "--steps or grpo.steps", 2)  # fmt: skip
-            self.resume_from, self.start_step = root, it
-            for old, new in torch_dist.set_aside_newer(root):
-                self.log(f"onpolicy e2e: warning: {old.name} is newer than `latest` ({it}), a save "
-                         f"that did not finish publishing; moved aside to {new.name}")  # fmt: skip
+                self._resume_point()
+            except RunError:
+                self.release()  # refused before any write: the folder keeps no trace of it
+                raise
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self.ckpt = checkpoint(self.e.cfg, self.out)
         self._make_task()  # every problem with the data is refused here, before Ray starts
@@ -172,6 +159,28 @@ class Driver:
             self._all(self.trainers, "trainer rank", "sync_weights", str(self.start_step),
                       self.e.grpo.verify_weights)  # fmt: skip
         self.times["setup_s"] = time.perf_counter() - t0
+
+    def _resume_point(self) -> None:
+        """Where `--resume` continues: `latest`, checked (exit 2 if unreadable, missing or not
+        before the run's last step); saves newer than it are set aside."""
+        from onpolicy.checkpoint import torch_dist
+
+        root = self.out / "checkpoints"
+        try:
+            it = torch_dist.read_tracker(root) if root.exists() else None
+        except CheckpointError as err:
+            raise RunError(f"--resume: {err}", 2) from None
+        if it is None:
+            raise RunError(f"--resume: no checkpoint under {root} (run.checkpoint_every "
+                           "saves one every N steps)", 2)  # fmt: skip
+        if it >= self.last_step:
+            raise RunError(f"[resume_step] --resume: `latest` is step {it} and the run is "
+                           f"{self.last_step} steps: nothing left to run; ask for more with "
+                           "--steps or grpo.steps", 2)  # fmt: skip
+        self.resume_from, self.start_step = root, it
+        for old, new in torch_dist.set_aside_newer(root):
+            self.log(f"onpolicy e2e: warning: {old.name} is newer than `latest` ({it}), a save "
+                     f"that did not finish publishing; moved aside to {new.name}")  # fmt: skip
 
     def _make_task(self) -> None:
         """The task, its data read and checked (a refusal is exit 2), and where the stream
