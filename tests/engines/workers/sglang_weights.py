@@ -31,14 +31,14 @@ def trainer(args: argparse.Namespace) -> None:
 
     import torch
     from onpolicy.models.hf_layout import read_hf_checkpoint
+    from onpolicy.rendezvous import tcp_store
     from sglang.srt.utils.common import init_custom_process_group
 
     sd = read_hf_checkpoint(args.ckpt, strict=False).tensors
     # Rank 0 hosts the rendezvous store on a port the OS picks, and says which.
-    store = torch.distributed.TCPStore(
-        "127.0.0.1", 0, args.world, is_master=True, timeout=timedelta(seconds=900),
-        wait_for_workers=False,
-    )  # fmt: skip
+    # (bound on 127.0.0.1 only: torch's own TCPStore server listens on every interface)
+    store = tcp_store("127.0.0.1", 0, args.world, is_master=True,
+                      timeout=timedelta(seconds=900))  # fmt: skip
     print(f"PORT {store.port}", flush=True)
     # The engine's ranks wrap their store in PrefixStore(group name), as this does.
     pg = init_custom_process_group(
