@@ -11,6 +11,12 @@ import pytest
 from listeners import Listeners
 
 REPO = Path(__file__).resolve().parents[1]
+RAY_MULTI_NODE_OFF = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Ray reads this once, at its first import, and with it off a head on 127.0.0.1 binds only there.
+# The run's driver sets it before it imports Ray (grpo.cluster); in this process test modules
+# import Ray at collection, before any test, so it is set here. The e2e runs are processes of
+# their own and do not inherit it (cli_run.Run), so they test the driver's own setting.
+os.environ[RAY_MULTI_NODE_OFF] = "0"
 
 
 def run_torchrun(

@@ -68,6 +68,7 @@ class Run:
                 [str(REPO / "integration"), *map(str, path), os.environ.get("PYTHONPATH", "")]
             ),
         }
+        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the driver's own, not conftest's
         cmd = [sys.executable, "-m", "onpolicy.cli", "e2e", "--config", str(config), "--out",
                str(out), "--run-id", self.run_id, "--steps", str(steps),
                "--set", "run.progress=false", "--set", "run.wandb_mode=offline", *args]  # fmt: skip
