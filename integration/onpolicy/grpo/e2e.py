@@ -17,6 +17,7 @@ The run directory (run.out, default runs/<config name>):
     violation.json       the first differing token of a step that broke the assertion
     bisect/              per-layer captures of both engines (--bisect)
     actors.json          each actor's process id, by name ("trainer rank 3", "engine0")
+    ray_auth_token       the run's Ray token (0600; its local head takes no call without it)
     times.json           setup, Ray start, slowest trainer setup, teardown and wall seconds
     wandb/               the wandb run (offline unless WANDB_API_KEY is set)
 
