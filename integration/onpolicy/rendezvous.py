@@ -52,11 +52,15 @@ def torchrun(nproc: int, *args: str, host: str = "127.0.0.1") -> list[str]:
             "--", *args]  # fmt: skip
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""The bind addresses that mean this host's loopback interface only."""
+
+
 def loopback_env(host: str = "127.0.0.1") -> dict[str, str]:
     """Environment for ranks whose rendezvous is on `host`: gloo binds its pairs to the address
     the machine's host name resolves to, and NCCL's bootstrap to the interface it picks, unless
     told the interface, so on a loopback host both are told `lo`."""
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if host not in LOOPBACK_HOSTS:
         return {}
     return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 

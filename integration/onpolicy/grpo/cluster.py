@@ -21,7 +21,7 @@ from onpolicy.contract.errors import ContractError
 from onpolicy.grpo import ray_auth
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.procs import RUN_ID_ENV, reap, state
-from onpolicy.rendezvous import free_port, loopback_env
+from onpolicy.rendezvous import LOOPBACK_HOSTS, free_port, loopback_env
 
 
 class RunError(RuntimeError):
@@ -130,7 +130,6 @@ class Cluster:
 
         plan = resolve_plan(c)
         share = 0.5 if c.rollout.colocate else 1.0
-        # gloo binds the address its host name resolves to unless told the interface.
         base = {RUN_ID_ENV: self.run_id} | loopback_env(e.run.bind_address)
         t = c.training
         host = e.run.bind_address
@@ -168,7 +167,7 @@ class Cluster:
 
     @property
     def _loopback(self) -> bool:
-        return self.e.run.bind_address in ("127.0.0.1", "localhost")
+        return self.e.run.bind_address in LOOPBACK_HOSTS
 
     def wait(self, calls: list[tuple[str, Any]], what: str,
              timeout: float | None = None) -> list[Any]:  # fmt: skip
