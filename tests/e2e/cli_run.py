@@ -26,6 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 ABS_DIFF, KL = "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl"
 
 
+def sets(*kvs: str) -> list[str]:
+    """Command-line overrides: `--set KEY=VALUE` for each of `kvs`."""
+    return [x for kv in kvs for x in ("--set", kv)]
+
+
 def _default_sigint() -> None:
     """The run takes Ctrl-C as a terminal would deliver it, even where pytest itself was started
     in the background of a script, which hands its children SIGINT ignored (and Python then

@@ -29,6 +29,7 @@ from cli_run import (
     Run,
     assert_on_policy,
     assert_same_weights,
+    sets,
     steady,
     stopped_on_error,
     weights,
@@ -142,11 +143,10 @@ def test_the_reward_rises(tmp_path, compile_cache):
     below 200), 64 samples a step at lr 1e-2: the random policy's 0.2 climbs after about ten
     steps (measured: 0.20 -> 0.64 by step 15)."""
     steps = 15
-    sets = ["training.world=4", "training.pp=1", "rollout.colocate=true", "sync.transport=tensor",
-            "task.num_bands=1", "optimizer.lr=1e-2", "grpo.prompts_per_step=8",
-            "grpo.samples_per_prompt=8"]  # fmt: skip
-    run = _run(tmp_path / "learning", *(x for c in sets for x in ("--set", c)), steps=steps,
-               cache=compile_cache)  # fmt: skip
+    overrides = sets("training.world=4", "training.pp=1", "rollout.colocate=true",
+                     "sync.transport=tensor", "task.num_bands=1", "optimizer.lr=1e-2",
+                     "grpo.prompts_per_step=8", "grpo.samples_per_prompt=8")  # fmt: skip
+    run = _run(tmp_path / "learning", *overrides, steps=steps, cache=compile_cache)
     assert run.wait(1800) == 0, run.text[-4000:]
     rows = run.metrics()
     assert_on_policy(rows, steps, run.text)

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cli_run import Run, assert_on_policy, stopped_on_error
+from cli_run import Run, assert_on_policy, sets, stopped_on_error
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu-math.toml"
@@ -43,24 +43,20 @@ N, WANT, TOKENS = 4, 4, 16  # the config's samples_per_prompt, prompts_per_step,
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # its runs' fixture included
 
 
-def _sets(*kvs: str) -> list[str]:
-    return [x for kv in kvs for x in ("--set", kv)]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("e2e-math")
     with stopped_on_error():
-        math = Run(CONFIG, root / "math", *_sets(*SMALL), steps=3, log="math",
+        math = Run(CONFIG, root / "math", *sets(*SMALL), steps=3, log="math",
                    cache=compile_cache)  # fmt: skip
         math.wait()
-        sets = _sets(*SMALL, *FILTERED)
-        first = Run(CONFIG, root / "filtered", *sets, steps=4, log="first",
+        filtered = sets(*SMALL, *FILTERED)
+        first = Run(CONFIG, root / "filtered", *filtered, steps=4, log="first",
                     cache=compile_cache, path=(FIXTURES,))  # fmt: skip
         if first.until(lambda: first.latest() == 2):
             first.proc.send_signal(signal.SIGINT)
         first.wait()
-        resumed = Run(CONFIG, root / "filtered", "--resume", *sets, steps=4, log="resumed",
+        resumed = Run(CONFIG, root / "filtered", "--resume", *filtered, steps=4, log="resumed",
                       cache=compile_cache, path=(FIXTURES,))  # fmt: skip
         resumed.wait()
         return {"math": math, "first": first, "resumed": resumed}
@@ -188,7 +184,7 @@ def test_a_resume_with_nothing_left_to_run_is_refused_before_any_write(runs, mon
     before = state()
     monkeypatch.setenv(RUN_ID_ENV, uuid.uuid4().hex)
     args = ["--config", str(CONFIG), "--out", str(run.out), "--resume", "--steps", "4"]
-    args += _sets(*SMALL, *FILTERED)
+    args += sets(*SMALL, *FILTERED)
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "[resume_step]" in err and "`latest` is step 4 and the run is 4 steps" in err, err
@@ -264,11 +260,11 @@ def test_bad_input_exits_2_before_any_engine(tmp_path, monkeypatch, capsys):
         ({"data.eval_file": str(nolabel)}, "[data_keys]"),
         ({"grpo.prompts_per_step": 64, "grpo.steps": 2}, "[data_epochs]"),
     ]  # fmt: skip
-    for i, (sets, rule) in enumerate(cases):
+    for i, (overrides, rule) in enumerate(cases):
         out = tmp_path / f"run{i}"  # a refused run leaves its config behind: a fresh --out each
         args = ["--config", str(CONFIG), "--out", str(out), "--set", "run.wandb_mode=disabled"]
-        args += [x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")]
-        assert main(args) == 2, sets
+        args += sets(*(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
+        assert main(args) == 2, overrides
         err = capsys.readouterr().err
-        assert rule in err, (sets, err)
+        assert rule in err, (overrides, err)
         assert "engines up" not in err and not (out / "actors.json").exists(), err

@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from cli_run import Run, stopped_on_error
+from cli_run import Run, sets, stopped_on_error
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu.toml"
@@ -28,9 +28,8 @@ SMALL = ("run.wandb_mode=disabled", "training.world=2", "training.tp=2", "traini
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def _run(out: Path, *sets: str, cache: Path) -> Run:
-    args = [x for kv in (*SMALL, *sets) for x in ("--set", kv)]
-    return Run(CONFIG, out, *args, steps=3, cache=cache)
+def _run(out: Path, *overrides: str, cache: Path) -> Run:
+    return Run(CONFIG, out, *sets(*SMALL, *overrides), steps=3, cache=cache)
 
 
 def _pids(run: Run) -> dict[str, int]:
