@@ -1,14 +1,16 @@
 """Which TCP sockets a job's processes listen on, and the check that none is beyond loopback.
 
-`Listeners` watches its root pids and every process under them (through
-/proc/PID/task/TID/children) and, given a run id, every process carrying it (a process that left
-the tree, `onpolicy.grpo.procs.run_processes`). While it is open a thread samples their
+`Listeners` watches its root pids and every process under them (their parent pids in
+/proc/PID/stat) and, given a run id, every process carrying it (a process that left the tree,
+`onpolicy.grpo.procs.run_processes`' rule). While it is open a thread samples their
 listening sockets every `every` seconds; `stop()` samples once more, so what still listens when
 a job ends is counted too. `wild()` is what listened on an address that is not loopback (0.0.0.0
 and :: among them); `check(what)` raises naming each one, its port and its process.
 
-A sample reads /proc/net/tcp and tcp6 once and the fd links of the watched processes: with no
-process watched it reads nothing, so a session can keep one open throughout.
+A sample reads /proc/PID/stat of every process once, the host's listening sockets (one netlink
+dump) and, when the watched processes or the listening sockets changed since the last sample,
+the fd links of the watched processes: cheap enough for a session to keep one open throughout,
+beside a job's own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,24 +42,49 @@ class Listener:
         return f"{self.ip}:{self.port} (pid {self.pid} {self.name})"
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process under `pid` (not `pid` itself)."""
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process, from one pass over /proc/PID/stat."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split(None, 2)
+        except (OSError, IndexError):
+            continue
+        out[int(name)] = (int(fields[1]), fields[0].decode())
+    return out
+
+
+def descendants(pid: int, procs: dict[int, tuple[int, str]] | None = None) -> set[int]:
+    """Every live process under `pid` (not `pid` itself); `procs` is a `processes()` pass."""
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _state) in (processes() if procs is None else procs).items():
+        children.setdefault(ppid, []).append(p)
     out, todo = set(), [pid]
     while todo:
-        p = todo.pop()
+        for k in children.get(todo.pop(), ()):
+            if k not in out:
+                out.add(k)
+                todo.append(k)
+    return out
+
+
+def carrying(needle: bytes, procs: dict[int, tuple[int, str]], skip: set[int]) -> set[int]:
+    """The processes of `procs` (but `skip`, and zombies) whose environment holds `needle`
+    (`onpolicy.grpo.procs.run_processes`' rule, on a pass already made)."""
+    out = set()
+    for p, (_ppid, state) in procs.items():
+        if p in skip or state == "Z":
+            continue
         try:
-            tasks = os.listdir(f"/proc/{p}/task")
+            with open(f"/proc/{p}/environ", "rb") as f:
+                env = f.read()
         except OSError:
             continue
-        for t in tasks:
-            try:
-                kids = Path(f"/proc/{p}/task/{t}/children").read_text().split()
-            except OSError:
-                continue
-            for k in map(int, kids):
-                if k not in out:
-                    out.add(k)
-                    todo.append(k)
+        if needle in env.split(b"\0"):
+            out.add(p)
     return out
 
 
@@ -70,7 +98,57 @@ def _address(hex_addr: str) -> tuple[str, int]:
 
 
 def listening_sockets() -> dict[int, tuple[str, int]]:
-    """Socket inode -> (address, port) of every listening TCP socket in this network namespace."""
+    """Socket inode -> (address, port) of every listening TCP socket in this network namespace:
+    the kernel's socket-diagnostics netlink dump of the listening state only (a /proc/net/tcp
+    read walks the whole connection table, milliseconds on a large host), or /proc/net/tcp and
+    tcp6 where that netlink family is not available."""
+    try:
+        return _listening_from_netlink()
+    except OSError:
+        return _listening_from_proc()
+
+
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
+NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 0x1, 0x300, 2, 3
+TCP_LISTEN = 10
+
+
+def _listening_from_netlink() -> dict[int, tuple[str, int]]:
+    """`inet_diag_req_v2` dumps of TCP over IPv4 and IPv6 with only the listening state asked
+    for; each reply's `inet_diag_msg` gives the family, the local port and address and the
+    inode."""
+    out = {}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as s:
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
+            req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN)
+            req += bytes(48)  # inet_diag_sockid: no filter
+            head = struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY,
+                               NLM_F_REQUEST | NLM_F_DUMP, seq, 0)  # fmt: skip
+            s.send(head + req)
+            done = False
+            while not done:
+                buf = s.recv(1 << 16)
+                if not buf:
+                    raise OSError("sock_diag: the dump ended without NLMSG_DONE")
+                off = 0
+                while off + 16 <= len(buf) and not done:
+                    length, kind = struct.unpack_from("=IH", buf, off)
+                    if kind == NLMSG_DONE:
+                        done = True
+                    elif kind == NLMSG_ERROR:
+                        raise OSError(f"sock_diag: error {struct.unpack_from('=i', buf, off + 16)}")
+                    else:
+                        m = off + 16  # inet_diag_msg
+                        fam = buf[m]
+                        port = struct.unpack_from(">H", buf, m + 4)[0]
+                        addr = buf[m + 8 : m + (12 if fam == socket.AF_INET else 24)]
+                        inode = struct.unpack_from("=I", buf, m + 68)[0]
+                        out[inode] = (socket.inet_ntop(fam, addr), port)
+                    off += (length + 3) & ~3
+    return out
+
+
+def _listening_from_proc() -> dict[int, tuple[str, int]]:
     out = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -123,29 +201,43 @@ class Listeners:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last: tuple[frozenset, frozenset] | None = None
+        """The watched pids and the listening inodes at the last sample."""
 
     def pids(self) -> set[int]:
+        procs = processes()
         out = set(self.roots)
         for r in self.roots:
-            out |= descendants(r)
+            out |= descendants(r, procs)
         if self.run_id:
-            from onpolicy.grpo.procs import run_processes
+            from onpolicy.grpo.procs import RUN_ID_ENV
 
-            out |= set(run_processes(self.run_id))
+            mine = set()  # this process and those above it (as run_processes spares them)
+            p = os.getpid()
+            while p > 1 and p not in mine:
+                mine.add(p)
+                p = procs.get(p, (0, ""))[0]
+            needle = f"{RUN_ID_ENV}={self.run_id}".encode()
+            out |= carrying(needle, procs, skip=out | mine)
         return out
 
     def sample(self) -> None:
-        """Record what the watched processes listen on now."""
+        """Record what the watched processes listen on now. The processes' open sockets are
+        read only when the watched processes or the host's listening sockets changed since the
+        last sample (otherwise they hold what that sample found, all of it recorded)."""
         pids = self.pids()
         listening = listening_sockets() if pids else {}
+        state = (frozenset(pids), frozenset(listening))
         found = set()
-        for pid in pids if listening else ():
-            for inode in _sockets_of(pid) & listening.keys():
-                found.add((*listening[inode], pid))
+        if state != self._last:
+            for pid in pids if listening else ():
+                for inode in _sockets_of(pid) & listening.keys():
+                    found.add((*listening[inode], pid))
         with self._lock:
             known = {(x.ip, x.port, x.pid) for x in self.seen}
             self.seen |= {Listener(ip, port, pid, _name(pid)) for ip, port, pid in found - known}
             self.samples += 1
+            self._last = state
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):

@@ -10,6 +10,7 @@ launcher listens (its store, gloo's pairs) on 127.0.0.1 only; the same job under
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from listeners import Listeners
+from listeners import Listeners, _listening_from_netlink, _listening_from_proc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,6 +64,29 @@ def test_a_planted_wildcard_listener_is_reported(tmp_path, allow_wild_listeners)
     with pytest.raises(AssertionError, match=rf"planted: listening beyond loopback: "
                        rf"0\.0\.0\.0:{wild_port} \(pid \d+ python"):  # fmt: skip
         seen.check("planted")
+
+
+def test_the_netlink_dump_lists_what_proc_net_tcp_lists(allow_wild_listeners):
+    """Every address family and kind of bind the check tells apart, from both readers: the
+    same inodes, addresses and ports."""
+    binds = [(socket.AF_INET, "0.0.0.0"), (socket.AF_INET, "127.0.0.1"),
+             (socket.AF_INET6, "::"), (socket.AF_INET6, "::1")]  # fmt: skip
+    servers = [socket.create_server((host, 0), family=fam) for fam, host in binds]
+    mapped = socket.socket(socket.AF_INET6)  # an IPv4 address on an IPv6 socket
+    mapped.bind(("::ffff:127.0.0.1", 0))
+    mapped.listen()
+    try:
+        ours = {(host, s.getsockname()[1]) for (_, host), s in zip(binds, servers, strict=True)}
+        ours.add(("::ffff:127.0.0.1", mapped.getsockname()[1]))
+        for _ in range(20):  # other processes of the host open and close listeners meanwhile
+            netlink, proc = _listening_from_netlink(), _listening_from_proc()
+            if netlink == proc:
+                break
+        assert netlink == proc
+        assert ours <= set(netlink.values()), (ours, netlink)
+    finally:
+        for s in [*servers, mapped]:
+            s.close()
 
 
 def test_the_end_of_run_sample_sees_what_still_listens(tmp_path, allow_wild_listeners):
