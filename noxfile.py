@@ -113,7 +113,7 @@ def build(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The CPU test suite on the real patched engines."""
     _install(session, gpu="gpu" in session.posargs)  # `-- -m gpu`: the CUDA dependency set
-    args = session.posargs or ["-m", "not gpu"]
+    args = session.posargs or ["-m", "not gpu", "--durations=25"]  # CI's log: the 25 slowest
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     session.run("python", "-m", "pytest", *args, env=env)
 
