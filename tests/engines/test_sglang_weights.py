@@ -1,9 +1,10 @@
 """Weight updates on a real SGLang Engine: after each, the rollout is the new weights' reference.
 
-One engine per layout and dtype (workers/sglang_weights.py) starts on the seed-0 tiny
-checkpoint, then takes a rejected update outside a begin/end session, an
-`update_weights_from_tensor` session to the seed-1 weights and an `update_weights_from_distributed`
-session (a gloo trainer process broadcasting) to the seed-2 weights, with a rollout after each.
+One engine per layout and dtype (workers/sglang_weights.py; one worker process per TP and EP,
+its engines one after the other) starts on the seed-0 tiny checkpoint, then takes a rejected
+update outside a begin/end session, an `update_weights_from_tensor` session to the seed-1
+weights and an `update_weights_from_distributed` session (a gloo trainer process broadcasting)
+to the seed-2 weights, with a rollout after each.
 Every rollout's log-probs must equal, bit for bit, `Qwen3MoeReference.score` of the same tokens
 under the weights that phase should hold; the negative controls compare each rollout against
 the weights it should NOT hold and assert the comparison breaks, and the same harness on
@@ -12,6 +13,7 @@ SGLang's stock CPU path must not match the reference.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -55,21 +57,37 @@ def checkpoints(tiny_checkpoint, tmp_path_factory) -> dict[int, Path]:
                                    for s in (1, 2)}}  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def engine_run(request, checkpoints, tmp_path_factory, compile_cache):
+@pytest.fixture(scope="module")
+def engine_runs(checkpoints, tmp_path_factory, compile_cache):
+    """(tp, ep) -> name -> phases: one worker process per TP and EP, its engines (each layout of
+    that TP and EP) one after the other; each worker runs once, when first asked for."""
+
+    @functools.cache
+    def get(tp: int, ep: int) -> dict[str, list[dict]]:
+        mine = {n: x for n, x in LAYOUTS.items() if x[:2] == (tp, ep)}
+        layouts = [{"name": n, "dtype": x[2], "stock": x[3]} for n, x in mine.items()]
+        tmp = tmp_path_factory.mktemp(f"weights-tp{tp}-ep{ep}")
+        out = tmp / "result.json"
+        cmd = [sys.executable, str(WORKER), "engine", "--ckpt", str(checkpoints[0]),
+               "--tensor-ckpt", str(checkpoints[1]), "--distributed-ckpt", str(checkpoints[2]),
+               "--out", str(out), "--tp", str(tp), "--ep", str(ep),
+               "--layouts", json.dumps(layouts), "--new-tokens", str(NEW_TOKENS),
+               "--temperature", str(TEMPERATURE), "--prompts", json.dumps(PROMPTS)]  # fmt: skip
+        env = engine_env(tp, compile_cache, base=os.environ)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            pytest.fail(f"engines tp={tp} ep={ep} exited {p.returncode}\n{p.stderr[-8000:]}")
+        runs = json.loads(out.read_text())["runs"]
+        assert list(runs) == [x["name"] for x in layouts], list(runs)
+        return runs
+
+    return get
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def engine_run(request, engine_runs):
     tp, ep, dtype, stock = LAYOUTS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    out = tmp / "result.json"
-    cmd = [sys.executable, str(WORKER), "engine", "--ckpt", str(checkpoints[0]),
-           "--tensor-ckpt", str(checkpoints[1]), "--distributed-ckpt", str(checkpoints[2]),
-           "--out", str(out), "--tp", str(tp), "--ep", str(ep), "--dtype", dtype,
-           "--new-tokens", str(NEW_TOKENS), "--temperature", str(TEMPERATURE),
-           "--prompts", json.dumps(PROMPTS)] + (["--stock"] if stock else [])  # fmt: skip
-    env = engine_env(tp, compile_cache, base=os.environ)
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        pytest.fail(f"engine {request.param} exited {p.returncode}\n{p.stderr[-8000:]}")
-    return request.param, dtype, stock, json.loads(out.read_text())["phases"]
+    return request.param, dtype, stock, engine_runs(tp, ep)[request.param]
 
 
 def reference_logprobs(ckpt: Path, dtype: str, samples: list[dict]) -> list[torch.Tensor]:

@@ -1,6 +1,8 @@
-"""One SGLang Engine through three weight updates, with a rollout after each, written as JSON.
+"""SGLang Engines through three weight updates each, with a rollout after each, written as JSON.
 
-Phases, all on one engine (its launch dominates the cost):
+The engines of one TP and EP (`--layouts`: their names, dtypes and paths) start one after the
+other in this process, which imports SGLang once for them. Phases, all on one engine (its
+launch dominates the cost):
 1. `initial`: a rollout on the checkpoint it was started with;
 2. `outside_session`: `update_weights_from_tensor` with other weights but no begin/end session,
    which 0.5.23 must reject, then a rollout;
@@ -54,7 +56,7 @@ def trainer(args: argparse.Namespace) -> None:
 
 
 def trainer_log(args: argparse.Namespace) -> Path:
-    return Path(args.out).with_name("trainer.log")
+    return Path(args.out).with_name(f"trainer-{args.name}.log")
 
 
 def engine_phases(args: argparse.Namespace) -> list[dict]:
@@ -156,8 +158,11 @@ def main() -> None:
     e.add_argument("--out", required=True)
     e.add_argument("--tp", type=int, default=1)
     e.add_argument("--ep", type=int, default=1)
-    e.add_argument("--dtype", default="bfloat16")
-    e.add_argument("--stock", action="store_true")
+    e.add_argument(
+        "--layouts",
+        required=True,
+        help='JSON [{"name", "dtype", "stock"}], engines started in this order',
+    )
     e.add_argument("--new-tokens", type=int, default=8)
     e.add_argument("--temperature", type=float, default=1.0)
     e.add_argument("--prompts", default="[[1, 2, 3, 4], [10, 20, 30], [500, 600, 700, 800, 900]]")
@@ -169,9 +174,11 @@ def main() -> None:
     if args.cmd == "trainer":
         trainer(args)
         return
-    phases = engine_phases(args)
+    runs = {}
+    for layout in json.loads(args.layouts):
+        runs[layout["name"]] = engine_phases(argparse.Namespace(**{**vars(args), **layout}))
     with open(args.out, "w") as f:
-        json.dump({"phases": phases}, f, default=str)
+        json.dump({"runs": runs}, f, default=str)
 
 
 if __name__ == "__main__":
