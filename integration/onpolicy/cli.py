@@ -74,6 +74,8 @@ def parity_main(argv: list[str]) -> int:
                     "training: world, tp, pp, ep, etp, sp); default: the "
                     "config's rollout and training layouts")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
+    ap.add_argument("--prompt-lengths", type=int, nargs="+", metavar="N",
+                    help="each prompt's length (in place of --prompts)")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
@@ -85,18 +87,21 @@ def parity_main(argv: list[str]) -> int:
 
     try:
         overrides = dict(parse_override(item) for item in args.set)
-        if args.prompts < 1 or args.new_tokens < 1 or not args.temperature > 0:
+        lengths = tuple(args.prompt_lengths or ())
+        if (args.prompts < 1 or args.new_tokens < 1 or not args.temperature > 0
+                or any(n < 1 for n in lengths)):  # fmt: skip
             raise ContractError(
                 "parity_sampling",
                 f"--prompts {args.prompts}, --new-tokens {args.new_tokens}, --temperature "
-                f"{args.temperature}: each must be positive",
+                f"{args.temperature}, --prompt-lengths {list(lengths)}: each must be positive",
                 "pass at least one prompt and one new token, and a temperature above 0",
             )
         pairs = [parse_pair(s) for s in args.pairs or []]
         pairs = pairs or [config_pair(load_config(args.config, overrides))]
         run = ParityRun(config=args.config, overrides=overrides, workdir=Path(args.workdir),
                         prompts=args.prompts, new_tokens=args.new_tokens,
-                        temperature=args.temperature, seed=args.seed)  # fmt: skip
+                        temperature=args.temperature, seed=args.seed,
+                        prompt_lengths=lengths or None)  # fmt: skip
         results = run_pairs(run, pairs, log=lambda m: print(m, file=sys.stderr, flush=True))
     except ContractError as e:
         print(f"onpolicy parity: {args.config}: {e}", file=sys.stderr)

@@ -25,3 +25,20 @@ def test_sglang_reads_the_variable_before_its_sgl_kernel_assert():
     at = text.index(f'get_bool_env_var("{SKIP}")')
     guarded = text[at : at + 1200]
     assert '"sglang-kernel"' in guarded and "assert_pkg_version(" in guarded, guarded
+
+
+TREE = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+
+
+def test_a_cuda_engine_takes_the_python_radix_tree_core_by_the_name_sglang_reads():
+    """A CUDA engine's radix cache runs SGLang's Python TreeCore (the Rust one failed on the GPU
+    host); the variable must be the one SGLang's registry reads and "python" a name it has."""
+    assert engine_env(1, "/run", "cuda")[TREE] == "python"
+    assert TREE not in engine_env(1, "/run", "cpu")
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
+        registered_tree_core_backends,
+    )
+
+    assert getattr(envs, TREE).name == TREE
+    assert "python" in registered_tree_core_backends()

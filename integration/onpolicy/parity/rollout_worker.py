@@ -1,11 +1,13 @@
 """The rollout side of `onpolicy parity`: one SGLang engine samples prompts, with log-probs.
 
 `python -m onpolicy.parity.rollout_worker --ckpt DIR --request FILE --out FILE [--tp N]
-[--ep N] [--dtype D] [--stock]` runs in its own process: SGLANG_USE_CPU_ENGINE must be set
-before sglang is imported (`onpolicy.rollout.engine.engine_env`), and `Engine.shutdown()` kills
-every descendant of the process that made the engine, so the engine never lives in the
-driver. It reads a `RolloutRequest` (JSON), starts the engine (`launch`), samples (`sample`)
-and writes {"request", "samples", "sglang"} (JSON).
+[--ep N] [--dtype D] [--stock] [--device cuda [--eager]]` runs in its own process:
+SGLANG_USE_CPU_ENGINE must be set before sglang is imported
+(`onpolicy.rollout.engine.engine_env`), and `Engine.shutdown()` kills every descendant of the
+process that made the engine, so the engine never lives in the driver. It reads a
+`RolloutRequest` (JSON), starts the engine (`launch`), samples (`sample`) and writes
+{"request", "samples", "sglang", "decode_graphs"} (JSON; "decode_graphs" is the decode
+CUDA-graph backend the engine resolved).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from onpolicy.rollout.engine import RolloutRequest, launch, sample, sglang_origin
+from onpolicy.rollout.switch import graph_backends
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,17 +28,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--stock", action="store_true", help="SGLang's stock CPU path, not the exact")
+    ap.add_argument("--stock", action="store_true", help="SGLang's stock path, not the exact")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--eager", action="store_true",
+                    help="CUDA: decode without CUDA graphs (the graphs' control)")  # fmt: skip
     ap.add_argument("--request", required=True, help="JSON file of a RolloutRequest")
     ap.add_argument("--out", required=True, help="JSON file for the samples")
     args = ap.parse_args(argv)
     req = RolloutRequest(**json.loads(Path(args.request).read_text()))
-    engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock)
+    graphs = {"disable_cuda_graph": True} if args.eager else {}
+    engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock,
+                    device=args.device, **graphs)  # fmt: skip
     try:
         samples = sample(engine, req)
     finally:
         engine.shutdown()
-    result = {"request": asdict(req), "samples": samples, "sglang": sglang_origin()}
+    result = {"request": asdict(req), "samples": samples, "sglang": sglang_origin(),
+              "decode_graphs": graph_backends(engine.server_args)["decode"]}  # fmt: skip
     Path(args.out).write_text(json.dumps(result))
 
 

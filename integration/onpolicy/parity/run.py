@@ -16,6 +16,7 @@ the first differing token: sample, position, token id, both values and their bit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -55,12 +56,15 @@ class RolloutLayout:
     ep: int = 1
     """Expert parallel size inside the engine."""
     stock: bool = False
-    """Sample on SGLang's stock CPU path instead of the exact one: the negative control."""
+    """Sample on SGLang's stock path instead of the exact one: the negative control."""
+    eager: bool = False
+    """On CUDA, decode without CUDA graphs: the control of the graphs' replay."""
 
     @property
     def name(self) -> str:
         ep = f"-ep{self.ep}" if self.ep > 1 else ""
-        return f"tp{self.tp}{ep}" + ("-stock" if self.stock else "")
+        flags = ("-stock" if self.stock else "") + ("-eager" if self.eager else "")
+        return f"tp{self.tp}{ep}{flags}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +87,7 @@ class Pair:
         return f"{self.rollout.name}:{self.training_name}"
 
 
-_ROLLOUT_TOKEN = re.compile(r"^(tp|ep)(\d+)$|^(stock)$")
+_ROLLOUT_TOKEN = re.compile(r"^(tp|ep)(\d+)$|^(stock|eager)$")
 
 
 def parse_pair(spec: str) -> Pair:
@@ -111,9 +115,9 @@ def parse_pair(spec: str) -> Pair:
         m = _ROLLOUT_TOKEN.match(tok)
         key = (m.group(1) or m.group(3)) if m else None
         if key is None or key in r:
-            raise refuse("rollout", tok, "ep, stock, tp")
+            raise refuse("rollout", tok, "eager, ep, stock, tp")
         r[key] = int(m.group(2)) if m.group(2) else 1
-    stock = bool(r.pop("stock", 0))
+    stock, eager = bool(r.pop("stock", 0)), bool(r.pop("eager", 0))
     tokens = training.split("-")
     training_stock = "stock" in tokens
     if tokens.count("stock") > 1:
@@ -123,7 +127,7 @@ def parse_pair(spec: str) -> Pair:
     except ValueError as err:
         raise ContractError("parity_pairs", f"--pairs {spec!r}: training side: {err}",
                             "write e.g. tp2-ep2:world8-tp2-pp2-ep2-sp") from None  # fmt: skip
-    return Pair(rollout=RolloutLayout(stock=stock, **r), training=layout,
+    return Pair(rollout=RolloutLayout(stock=stock, eager=eager, **r), training=layout,
                 training_stock=training_stock)  # fmt: skip
 
 
@@ -178,15 +182,18 @@ class ParityRun:
     """Sampling temperature (the trainer scores at the same one)."""
     seed: int = 0
     """Seed of the prompts and of the sampling."""
+    prompt_lengths: tuple[int, ...] | None = None
+    """Each prompt's length (its count is the prompt count); None: `prompts` of 3 to 12."""
     timeout: float = 900
     """Seconds a worker may run before it counts as dead."""
 
 
-def make_prompts(cfg: RunConfig, n: int, seed: int) -> list[list[int]]:
-    """`n` prompts of varied lengths (3 to 12 tokens) of ids below the end-of-sequence id."""
+def make_prompts(cfg: RunConfig, n: int, seed: int,
+                 lengths: tuple[int, ...] | None = None) -> list[list[int]]:  # fmt: skip
+    """Prompts of ids below the end-of-sequence id: of `lengths`, or `n` of 3 to 12 tokens."""
     g = torch.Generator().manual_seed(seed)
     high = cfg.shape.eos_token_id
-    lengths = [3 + (5 * i + seed) % 10 for i in range(n)]
+    lengths = lengths or [3 + (5 * i + seed) % 10 for i in range(n)]
     return [torch.randint(0, high, (k,), generator=g).tolist() for k in lengths]
 
 
@@ -219,10 +226,16 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
            "--tp", str(layout.tp), "--ep", str(layout.ep), "--dtype", cfg.model.dtype,
            "--request", str(folder / "request.json"),
            "--out", str(folder / "samples.json")]  # fmt: skip
-    cmd += ["--stock"] if layout.stock else []
+    cmd += ["--device", cfg.device] + (["--stock"] if layout.stock else [])
+    cmd += ["--eager"] if layout.eager else []
     plan = resolve_plan(cfg)
     base = {**os.environ, **plan.rollout_env}
-    env = _env(engine_env(layout.tp, folder, base=stock_env(base) if layout.stock else base))
+    base = stock_env(base) if layout.stock else base
+    if layout.stock and cfg.device == "cuda" and importlib.util.find_spec("sgl_kernel") is None:
+        # Without sglang-kernel SGLang's CUDA ops have no AOT kernels: the control runs its
+        # native torch ops (and its triton attention), still not the exact path.
+        base = {**base, "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
+    env = _env(engine_env(layout.tp, folder, cfg.device, base=base))
     _run(f"rollout engine {layout.name}", cmd, env, folder / "rollout.log", run.timeout)
     return json.loads((folder / "samples.json").read_text())["samples"]
 
@@ -236,7 +249,7 @@ def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples
     cmd = torchrun(layout.world, "-m", "onpolicy.parity.trainer_worker", "--ckpt", str(ckpt),
                    "--samples", str(samples_file), "--out", str(folder), "--dtype",
                    cfg.model.dtype, "--temperature", str(run.temperature),
-                   *layout.cli_args())  # fmt: skip
+                   "--device", cfg.device, *layout.cli_args())  # fmt: skip
     cmd += ["--stock"] if pair.training_stock else []
     env = _env(resolve_plan(cfg).training_env)
     _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
@@ -251,7 +264,7 @@ def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
     workdir = Path(run.workdir)
     first = configs[pairs[0]]
     ckpt = model_checkpoint(first, workdir)
-    prompts = make_prompts(first, run.prompts, run.seed)
+    prompts = make_prompts(first, run.prompts, run.seed, run.prompt_lengths)
     rollouts: dict[tuple[RolloutLayout, KSegments], tuple[Path, list[dict]]] = {}
     results = []
     for p in pairs:
@@ -260,7 +273,7 @@ def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
         if key not in rollouts:
             s = key[1]
             folder = workdir / f"rollout-{p.rollout.name}-s{s.attention}-{s.experts}"
-            log(f"parity: rollout {p.rollout.name} ({run.prompts} prompts x {run.new_tokens} "
+            log(f"parity: rollout {p.rollout.name} ({len(prompts)} prompts x {run.new_tokens} "
                 f"tokens, T={run.temperature}, K segments {s.env_value()}) ...")  # fmt: skip
             rollouts[key] = (folder, rollout(run, cfg, ckpt, p.rollout, prompts, folder))
         folder, samples = rollouts[key]

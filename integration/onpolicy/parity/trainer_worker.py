@@ -28,10 +28,11 @@ def score(args: argparse.Namespace) -> None:
     from onpolicy.train.logprobs import logprobs
 
     layout = ParallelLayout.from_args(args)
-    init_parallel(layout)
+    init_parallel(layout, device=args.device)
     set_seed()
     spec = "local" if args.stock else "exact"
-    _cfg, model = load_model(args.ckpt, layout, getattr(torch, args.dtype), spec=spec)
+    _cfg, model = load_model(args.ckpt, layout, getattr(torch, args.dtype), spec=spec,
+                             device=args.device)  # fmt: skip
     model.eval()
 
     samples = json.loads(Path(args.samples).read_text())["samples"]
@@ -57,7 +58,9 @@ def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | N
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     mine = [i for i in range(len(seqs)) if i % dp == ps.get_data_parallel_rank()]
     # Under SP the sequence is split over TP: pad at the end (causal: no earlier row changes).
-    padded = [torch.tensor(seqs[i] + [0] * (-len(seqs[i]) % tp))[None] for i in mine]
+    device = next(model.parameters()).device
+    padded = [torch.tensor(seqs[i] + [0] * (-len(seqs[i]) % tp), device=device)[None]
+              for i in mine]  # fmt: skip
 
     def step(data_iterator, chunk):
         tokens = next(data_iterator)
@@ -66,7 +69,8 @@ def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | N
             logits = gather_from_tensor_model_parallel_region(out)[0].float()
             return torch.log_softmax(logits / temperature, dim=-1)
 
-        return chunk(tokens, torch.arange(tokens.shape[1])[None], None), logp
+        positions = torch.arange(tokens.shape[1], device=device)[None]
+        return chunk(tokens, positions, None), logp
 
     with torch.no_grad():
         outs = get_forward_backward_func()(
@@ -77,8 +81,8 @@ def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | N
     found = {}
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for i, lp in zip(mine, outs, strict=True):
-            s = torch.tensor(seqs[i])
-            found[i] = lp[torch.arange(len(s) - 1), s[1:]].contiguous()
+            s = torch.tensor(seqs[i], device=lp.device)
+            found[i] = lp[torch.arange(len(s) - 1, device=lp.device), s[1:]].cpu().contiguous()
     parts = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather_object(found, parts, dst=0)
     if parts is None:
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ParallelLayout.add_arguments(ap)
     ap.add_argument("--stock", action="store_true", help="Megatron's local spec, not the exact")
     score(ap.parse_args(argv))

@@ -41,6 +41,16 @@ class OnpolicyAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Nothing to precompute: every forward reads the page tables it is given."""
 
+    # A decode graph: the forward reads the runner's static buffers (req_pool_indices, seq_lens,
+    # out_cache_loc) and the kernels take their lengths and tables from the device, so capture
+    # needs no state of its own and a replay recomputes everything from the refilled buffers.
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """No graph-owned buffers: see above."""
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """A padded slot of a captured batch attends over one key (its own, garbage, discarded)."""
+        return 1
+
     def _attend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                 save_kv_cache: bool, new_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
         if layer.is_cross_attention or layer.sliding_window_size not in (None, -1):

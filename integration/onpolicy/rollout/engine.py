@@ -61,6 +61,10 @@ def engine_env(tp: int, run_dir: str | os.PathLike, device: str = "cpu", *,
         # ops (every hook is onpolicy's), and GPU hosts whose torch it was not built for
         # cannot install it (docs/gpu-host.md).
         env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
+        # SGLang's Rust radix TreeCore is a compiled extension built against another torch: on
+        # the GPU host's torch 2.11 it read the int64 KV indices as Int8 and the scheduler died
+        # at the first insert (seen on the H200). The Python TreeCore is the same tree in Python.
+        env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
     return env if base is None else {**base, **env}
 
 
@@ -84,7 +88,9 @@ def exact_engine_args(
         "dtype": dtype,
         "tp_size": tp,
         "ep_size": ep,
-        "disable_cuda_graph": True,
+        # CUDA: decode batches replay captured graphs (SGLang's batch sizes); prefill is eager.
+        "disable_cuda_graph": device != "cuda",
+        "disable_prefill_cuda_graph": True,
         "page_size": 1,
         "disable_radix_cache": disable_radix_cache,
         # On CPU SGLang sizes the KV pool from the host's free memory, measured before and
@@ -106,12 +112,13 @@ def engine_kwargs(model_path: str | os.PathLike, tp: int = 1, ep: int = 1,
                   dtype: str = "bfloat16", exact: bool = True,
                   **extra: Any) -> dict[str, Any]:  # fmt: skip
     """`sglang.Engine(**kwargs)` for one engine; `exact` routes every op to onpolicy.kernels,
-    otherwise the same engine runs SGLang's stock CPU path (torch_native; the negative control).
+    otherwise the same engine runs SGLang's stock path (the negative control: torch_native
+    attention on CPU, triton on CUDA).
     `extra`: further `exact_engine_args` keywords."""
     kwargs = exact_engine_args(model_path, tp=tp, ep=ep, dtype=dtype, **extra)
     if not exact:
         del kwargs["rl_on_policy_target"]
-        kwargs["attention_backend"] = "torch_native"
+        kwargs["attention_backend"] = "triton" if kwargs["device"] == "cuda" else "torch_native"
     return kwargs
 
 

@@ -44,6 +44,48 @@ def _check_backends(args: Any) -> None:
                     f"leave {name} unset or pass {ATTENTION_BACKEND!r}")  # fmt: skip
 
 
+def graph_backends(args: Any) -> dict[str, str]:
+    """The CUDA-graph backend SGLang will resolve for each phase ("decode", "prefill"), by its own
+    precedence (`arg_groups.cuda_graph_hook.parse_cuda_graph_config`): the legacy global switch,
+    the per-phase off-switches, the per-phase backends, then an explicit `cuda_graph_config`."""
+    device = getattr(args, "device", None) or "cpu"
+    got = {"decode": "full", "prefill": "breakable" if device == "cuda" else "disabled"}
+    if getattr(args, "disable_cuda_graph", False):
+        got = dict.fromkeys(got, "disabled")
+    for phase in got:
+        if getattr(args, f"disable_{phase}_cuda_graph", False):
+            got[phase] = "disabled"
+        chosen = getattr(args, f"cuda_graph_backend_{phase}", None)
+        if chosen is not None:
+            got[phase] = chosen
+    explicit = getattr(args, "cuda_graph_config", None)
+    if explicit is not None and not isinstance(explicit, dict):
+        explicit = explicit.to_dict()
+    for phase, settings in (explicit or {}).items():
+        if isinstance(settings, dict) and "backend" in settings:
+            got[phase] = settings["backend"]
+    return got
+
+
+def _check_graphs(args: Any) -> None:
+    # A decode graph replays the eager step's kernels on the captured buffers: every exact
+    # kernel reads its lengths and tables from the device, so a replay gives the eager bits
+    # (docs/exactness.md, "CUDA graphs"). Prefill graphs capture per-token-bucket metadata the
+    # onpolicy backend does not build, and a CPU engine has no CUDA graphs at all.
+    device = getattr(args, "device", None) or "cpu"
+    got = graph_backends(args)
+    allowed = {"decode": ("full", "disabled") if device == "cuda" else ("disabled",),
+               "prefill": ("disabled",)}  # fmt: skip
+    for phase, backend in got.items():
+        if backend not in allowed[phase]:
+            fix = ("pass disable_cuda_graph=True" if device != "cuda"
+                   else f"pass disable_{phase}_cuda_graph=True")  # fmt: skip
+            _refuse("rollout_cuda_graphs",
+                    f"the {phase} CUDA-graph backend would be {backend!r} on {device}; the exact "
+                    f"path captures decode batches only, with the 'full' backend, on CUDA",
+                    fix)  # fmt: skip
+
+
 def _check_features(args: Any) -> None:
     spec = getattr(args, "speculative_algorithm", None)
     if spec is not None:
@@ -51,11 +93,7 @@ def _check_features(args: Any) -> None:
                 f"speculative_algorithm is {spec!r}; draft-and-verify decoding scores tokens "
                 "with batches the exact path does not cover",
                 "leave speculative_algorithm unset")  # fmt: skip
-    if not getattr(args, "disable_cuda_graph", False):
-        _refuse("rollout_no_cuda_graphs",
-                "CUDA graphs are not supported on the exact path yet (a captured graph would "
-                "replay kernels chosen at capture time)",
-                "pass disable_cuda_graph=True")  # fmt: skip
+    _check_graphs(args)
     if getattr(args, "enable_torch_compile", False):
         _refuse("rollout_no_torch_compile",
                 "enable_torch_compile would let inductor fuse and reorder the exact ops",
