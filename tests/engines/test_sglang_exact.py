@@ -374,7 +374,7 @@ REFUSALS = {
     "torch_native": ({"attention_backend": "torch_native"}, "rollout_attention_backend"),
     "decode_backend": ({"decode_attention_backend": "torch_native"}, "rollout_attention_backend"),
     "speculative": ({"speculative_algorithm": "NGRAM"}, "rollout_no_speculative_decoding"),
-    "cuda_graphs": ({"disable_cuda_graph": False}, "rollout_no_cuda_graphs"),
+    "cuda_graphs": ({"disable_cuda_graph": False}, "rollout_cuda_graphs"),
     "dtype_auto": ({"dtype": "auto"}, "dtype"),
 }
 """case -> (engine arguments over the exact ones, the rule the refusal must name)."""
