@@ -1,8 +1,9 @@
 """What the routing and `--bisect` checks share: one exact and one stock engine, then one
 trainer job.
 
-Both engines (TP2 EP2, `return_routed_experts=True`) start once: each samples the routing
-prompts (`generate`) and captures the bisect sample (`capture_generate`). They are stopped
+Both engines (TP2 EP2, `return_routed_experts=True`, `sleep_on_idle` as the run's) start once:
+each samples the routing prompts (`generate`) and captures the bisect sample
+(`capture_generate`). They are stopped
 before the trainer job (world 8: Megatron TP2 PP2 EP2 with SP), which then has the two cores to
 itself: it scores every routing sequence with its routed experts and captures the bisect
 points on each bisect sequence (workers/score_and_capture.py).
@@ -29,7 +30,8 @@ def run(tiny_checkpoint: Path, torchrun, work: Path, compile_cache: Path) -> dic
     "bisect": {"exact"|"stock": (rollout capture dir, trainer capture dir)}}."""
     from onpolicy.rollout.host import EngineHost
 
-    extra = {"return_routed_experts": True}
+    # sleep_on_idle, as the run's engines have it: the idle one does not spin beside the other
+    extra = {"return_routed_experts": True, "sleep_on_idle": True}
     hosts = {name: EngineHost.start(name, tiny_checkpoint, work, tp=2, ep=2,
                                     exact=name == "exact", engine_args=extra,
                                     cache=compile_cache)

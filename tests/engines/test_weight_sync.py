@@ -57,7 +57,10 @@ def engines(tmp_path_factory, compile_cache):
     work = tmp_path_factory.mktemp("weight-sync")
     start = write_tiny_checkpoint(work / "ckpt-a", seed=0)
     key = secrets.token_hex(16)
-    hosts = [EngineHost.start(n, start, work / "hosts", tp=tp, ep=ep, key=key, cache=compile_cache)
+    # sleep_on_idle, as the run's engines have it: an idle scheduler waits on its sockets
+    # instead of spinning, which would take the cores from the trainer jobs between syncs.
+    hosts = [EngineHost.start(n, start, work / "hosts", tp=tp, ep=ep, key=key, cache=compile_cache,
+                              engine_args={"sleep_on_idle": True})
              for n, (tp, ep) in ENGINES.items()]  # fmt: skip
     try:
         for h in hosts:
