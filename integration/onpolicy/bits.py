@@ -61,6 +61,27 @@ def mismatch_report(a: torch.Tensor, b: torch.Tensor) -> str:
     return out
 
 
+_DIGEST_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def row_digests(rows: torch.Tensor) -> torch.Tensor:
+    """One int64 per row of a [N, V] fp32 tensor: sum_j bits_j * w_j modulo 2^64, with bits_j
+    the j-th entry's 32 bits as an unsigned number and w_j a fixed odd weight below 2^31 (a
+    seeded draw per V). An integer sum wraps the same in any order, so the digest is the same
+    on every device and reduction; any one changed entry changes it (w_j is odd, so bits_j *
+    w_j differs modulo 2^64 whenever bits_j does)."""
+    if rows.dtype != torch.float32 or rows.dim() != 2:
+        raise ValueError(f"row_digests: want [N, V] float32, got {tuple(rows.shape)} {rows.dtype}")
+    v, dev = rows.shape[1], rows.device
+    w = _DIGEST_WEIGHTS.get((v, str(dev)))
+    if w is None:
+        g = torch.Generator().manual_seed(v)
+        w = (torch.randint(0, 2**30, (v,), generator=g, dtype=torch.int64) * 2 + 1).to(dev)
+        _DIGEST_WEIGHTS[v, str(dev)] = w
+    bits = as_bits(rows).to(torch.int64) & 0xFFFFFFFF  # < 2^32, times w < 2^31: no overflow
+    return (bits * w).sum(dim=-1)
+
+
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     """Raise AssertionError with `mismatch_report` unless a and b are bitwise equal."""
     if not bitwise_equal(a, b):

@@ -77,6 +77,8 @@ def parity_main(argv: list[str]) -> int:
     ap.add_argument("--prompt-lengths", type=int, nargs="+", metavar="N",
                     help="each prompt's length (in place of --prompts)")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt")
+    ap.add_argument("--row-digests", action="store_true",
+                    help="also compare each position's whole log-prob row, by digest")  # fmt: skip
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
     ap.add_argument("--workdir", default="runs/parity", help="checkpoint, rollouts, logs")
@@ -101,7 +103,8 @@ def parity_main(argv: list[str]) -> int:
         run = ParityRun(config=args.config, overrides=overrides, workdir=Path(args.workdir),
                         prompts=args.prompts, new_tokens=args.new_tokens,
                         temperature=args.temperature, seed=args.seed,
-                        prompt_lengths=lengths or None)  # fmt: skip
+                        prompt_lengths=lengths or None,
+                        row_digests=args.row_digests)  # fmt: skip
         results = run_pairs(run, pairs, log=lambda m: print(m, file=sys.stderr, flush=True))
     except ContractError as e:
         print(f"onpolicy parity: {args.config}: {e}", file=sys.stderr)

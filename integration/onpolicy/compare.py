@@ -56,10 +56,17 @@ class PairResult:
     """Of those, tokens whose two log-probs have the same bits."""
     first: Mismatch | None = None
     """The first differing token, None when all are equal."""
+    rows_compared: int = 0
+    """Generated positions whose whole log-prob rows were compared by digest (0: not asked)."""
+    rows_equal: int = 0
+    """Of those, positions whose two row digests are equal."""
+    first_row: str | None = None
+    """The first position whose row digests differ, described."""
 
     @property
     def ok(self) -> bool:
-        return self.compared > 0 and self.equal == self.compared
+        rows = self.rows_equal == self.rows_compared
+        return self.compared > 0 and self.equal == self.compared and rows
 
 
 def aligned(samples: list[dict], scores: Mapping[int, torch.Tensor], pair: str = ""
@@ -103,6 +110,30 @@ def compare(samples: list[dict], scores: Mapping[int, torch.Tensor], pair: str =
     return PairResult(pair=pair, compared=compared, equal=equal, first=first)
 
 
+def compare_rows(result: PairResult, samples: list[dict], digests: Mapping[int, torch.Tensor]
+                 ) -> PairResult:  # fmt: skip
+    """`result` with each generated position's whole-row digest compared: the rollout's
+    (samples[i]["row_digests"], one per generated token, `rollout.digests`) against the
+    trainer's (digests[i], int64 per position 0..len-2, `train.logprobs(digests=True)`)."""
+    compared = equal = 0
+    first = None
+    for i, s in enumerate(samples):
+        got, n_prompt = s["row_digests"], len(s["prompt"])
+        want = digests[i][n_prompt - 1 :].tolist()
+        if len(want) != len(got):
+            raise ValueError(f"{result.pair}: sample {i}: {len(want)} trainer row digests for "
+                             f"{len(got)} generated tokens")  # fmt: skip
+        for j, (a, b) in enumerate(zip(got, want, strict=True)):
+            compared += 1
+            equal += a == b
+            if a != b and first is None:
+                first = (f"first row mismatch: sample {i}, position {n_prompt + j} (generated "
+                         f"token {j}): rollout row digest {a & (2**64 - 1):#018x} vs trainer "
+                         f"{b & (2**64 - 1):#018x}")  # fmt: skip
+    result.rows_compared, result.rows_equal, result.first_row = compared, equal, first
+    return result
+
+
 def logprob_metrics(samples: list[dict], scores: Sequence[torch.Tensor]) -> dict[str, float]:
     """The rollout's log-probs against the trainer's, over every generated token (`scores[i]`
     scores sample i, as in `compare`).
@@ -130,11 +161,16 @@ def logprob_metrics(samples: list[dict], scores: Sequence[torch.Tensor]) -> dict
 def format_table(results: list[PairResult]) -> str:
     """One row per pair: equal / compared, then each mismatch's first differing token."""
     width = max([len("pair")] + [len(r.pair) for r in results])
-    out = [f"{'pair'.ljust(width)}  {'equal / compared':>18}  verdict"]
+    rows = any(r.rows_compared for r in results)
+    head = f"{'rows equal / compared':>22}  " if rows else ""
+    out = [f"{'pair'.ljust(width)}  {'equal / compared':>18}  {head}verdict"]
     for r in results:
         verdict = "bitwise equal" if r.ok else "DIFFER"
-        out.append(f"{r.pair.ljust(width)}  {f'{r.equal} / {r.compared}':>18}  {verdict}")
+        cell = f"{f'{r.rows_equal} / {r.rows_compared}':>22}  " if rows else ""
+        out.append(f"{r.pair.ljust(width)}  {f'{r.equal} / {r.compared}':>18}  {cell}{verdict}")
     for r in results:
         if r.first is not None:
             out.append(f"{r.pair}: {r.first.describe()}")
+        if r.first_row is not None:
+            out.append(f"{r.pair}: {r.first_row}")
     return "\n".join(out)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
+from onpolicy.rollout import digests
 from onpolicy.rollout.engine import RolloutRequest, launch, sample, sglang_origin
 from onpolicy.rollout.switch import graph_backends
 
@@ -34,8 +36,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="CUDA: decode without CUDA graphs (the graphs' control)")  # fmt: skip
     ap.add_argument("--request", required=True, help="JSON file of a RolloutRequest")
     ap.add_argument("--out", required=True, help="JSON file for the samples")
+    ap.add_argument("--row-digests", metavar="DIR",
+                    help="folder for the sampler's row digests")  # fmt: skip
     args = ap.parse_args(argv)
     req = RolloutRequest(**json.loads(Path(args.request).read_text()))
+    if args.row_digests:  # the engine's scheduler processes inherit it
+        Path(args.row_digests).mkdir(parents=True, exist_ok=True)
+        os.environ[digests.ENV] = args.row_digests
     graphs = {"disable_cuda_graph": True} if args.eager else {}
     engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock,
                     device=args.device, **graphs)  # fmt: skip
@@ -43,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
         samples = sample(engine, req)
     finally:
         engine.shutdown()
+    if args.row_digests:
+        found = digests.read(Path(args.row_digests))
+        seeds = req.seeds or [req.seed + i for i in range(len(samples))]
+        for s, seed in zip(samples, seeds, strict=True):
+            s["row_digests"] = digests.sample_digests(found, seed, len(s["output_ids"]))
     result = {"request": asdict(req), "samples": samples, "sglang": sglang_origin(),
               "decode_graphs": graph_backends(engine.server_args)["decode"]}  # fmt: skip
     Path(args.out).write_text(json.dumps(result))

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 import onpolicy
-from onpolicy.compare import PairResult, compare
+from onpolicy.compare import PairResult, compare, compare_rows
 from onpolicy.contract import (
     ContractError,
     RunConfig,
@@ -44,6 +45,8 @@ from onpolicy.rollout.engine import RolloutRequest, engine_env
 from onpolicy.segments import KSegments
 
 INTEGRATION = Path(onpolicy.__file__).resolve().parents[1]
+Digests = dict[int, torch.Tensor]
+"""Sample index -> int64 whole-row digests of positions 0..len-2 (`train.logprobs`)."""
 
 
 # --- layout pairs -----------------------------------------------------------------------------
@@ -184,6 +187,9 @@ class ParityRun:
     """Seed of the prompts and of the sampling."""
     prompt_lengths: tuple[int, ...] | None = None
     """Each prompt's length (its count is the prompt count); None: `prompts` of 3 to 12."""
+    row_digests: bool = False
+    """Also compare every generated position's whole log-prob row, by digest (pairs with an
+    exact rollout; a stock trainer digests `torch.log_softmax`'s rows, the rows' control)."""
     timeout: float = 900
     """Seconds a worker may run before it counts as dead."""
 
@@ -228,6 +234,9 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
            "--out", str(folder / "samples.json")]  # fmt: skip
     cmd += ["--device", cfg.device] + (["--stock"] if layout.stock else [])
     cmd += ["--eager"] if layout.eager else []
+    if run.row_digests and not layout.stock:  # the sampler appends: a fresh folder per rollout
+        shutil.rmtree(folder / "digests", ignore_errors=True)
+        cmd += ["--row-digests", str(folder / "digests")]
     plan = resolve_plan(cfg)
     base = {**os.environ, **plan.rollout_env}
     base = stock_env(base) if layout.stock else base
@@ -241,19 +250,25 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
 
 
 def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples_file: Path,
-                 folder: Path) -> dict[int, torch.Tensor]:  # fmt: skip
-    """Megatron's log-probs of every sample at the pair's training layout, by sample index."""
+                 folder: Path) -> tuple[dict[int, torch.Tensor], Digests | None]:  # fmt: skip
+    """Megatron's log-probs of every sample at the pair's training layout, by sample index,
+    and with `run.row_digests` and an exact rollout (the stock sampler records none) each
+    position's whole-row digest, else None."""
     layout = pair.training
+    rows = run.row_digests and not pair.rollout.stock
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "scores.pt").unlink(missing_ok=True)
+    (folder / "digests.pt").unlink(missing_ok=True)
     cmd = torchrun(layout.world, "-m", "onpolicy.parity.trainer_worker", "--ckpt", str(ckpt),
                    "--samples", str(samples_file), "--out", str(folder), "--dtype",
                    cfg.model.dtype, "--temperature", str(run.temperature),
                    "--device", cfg.device, *layout.cli_args())  # fmt: skip
     cmd += ["--stock"] if pair.training_stock else []
+    cmd += ["--row-digests"] if rows else []
     env = _env(resolve_plan(cfg).training_env)
     _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
-    return torch.load(folder / "scores.pt", weights_only=True)
+    scores = torch.load(folder / "scores.pt", weights_only=True)
+    return scores, torch.load(folder / "digests.pt", weights_only=True) if rows else None
 
 
 def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
@@ -279,6 +294,7 @@ def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
         folder, samples = rollouts[key]
         log(f"parity: trainer {p.training_name} scores rollout {p.rollout.name} ...")
         out = workdir / f"train-{p.training_name}-{p.rollout.name}"
-        scores = train_scores(run, cfg, ckpt, p, folder / "samples.json", out)
-        results.append(compare(samples, scores, p.name))
+        scores, digests = train_scores(run, cfg, ckpt, p, folder / "samples.json", out)
+        result = compare(samples, scores, p.name)
+        results.append(result if digests is None else compare_rows(result, samples, digests))
     return results

@@ -37,12 +37,20 @@ def score(args: argparse.Namespace) -> None:
 
     samples = json.loads(Path(args.samples).read_text())["samples"]
     seqs = [s["prompt"] + s["output_ids"] for s in samples]
+    digests = None
     if args.stock:
-        values = stock_logprobs(model, seqs, args.temperature)
+        found = stock_logprobs(model, seqs, args.temperature)
+        if found is not None:
+            values = [v for v, _ in found]
+            digests = [d for _, d in found] if args.row_digests else None
+    elif args.row_digests:
+        values, digests = logprobs(model, seqs, args.temperature, digests=True) or (None, None)
     else:
         values = logprobs(model, seqs, args.temperature)
     if dist.get_rank() == 0:
         torch.save(dict(enumerate(values)), Path(args.out) / "scores.pt")
+        if digests is not None:
+            torch.save(dict(enumerate(digests)), Path(args.out) / "digests.pt")
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -50,10 +58,13 @@ def score(args: argparse.Namespace) -> None:
 
 def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | None:
     """The local spec's log-probs, one sequence per micro-batch (its attention cannot run THD),
-    DP replica d taking sequences i % DP == d; the list on global rank 0, None elsewhere."""
+    DP replica d taking sequences i % DP == d; on global rank 0 per sequence (log-probs,
+    `bits.row_digests` of torch's log_softmax rows), None elsewhere."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from onpolicy.bits import row_digests
 
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     mine = [i for i in range(len(seqs)) if i % dp == ps.get_data_parallel_rank()]
@@ -82,7 +93,8 @@ def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | N
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for i, lp in zip(mine, outs, strict=True):
             s = torch.tensor(seqs[i], device=lp.device)
-            found[i] = lp[torch.arange(len(s) - 1, device=lp.device), s[1:]].cpu().contiguous()
+            picked = lp[torch.arange(len(s) - 1, device=lp.device), s[1:]].cpu().contiguous()
+            found[i] = (picked, row_digests(lp[: len(s) - 1].contiguous()).cpu())
     parts = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather_object(found, parts, dst=0)
     if parts is None:
@@ -102,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ParallelLayout.add_arguments(ap)
     ap.add_argument("--stock", action="store_true", help="Megatron's local spec, not the exact")
+    ap.add_argument("--row-digests", action="store_true",
+                    help="also digests.pt: whole-row digests")  # fmt: skip
     score(ap.parse_args(argv))
 
 

@@ -19,8 +19,10 @@ from typing import Any, NamedTuple
 import torch
 from sglang.srt.layers.sampler import Sampler
 
+from onpolicy import bits
 from onpolicy import kernels as K
 from onpolicy.models import reference
+from onpolicy.rollout import digests
 
 FULL = "the exact path samples from the full distribution (top_p 1, top_k -1, min_p 0)"
 """What the reference's sampling rule allows: temperature only, or greedy (top_k 1)."""
@@ -99,6 +101,7 @@ class OnpolicySampler(Sampler):
         from sglang.srt.runtime_context import get_server_args
 
         self.model_dtype = getattr(torch, get_server_args().dtype)
+        self.digests = digests.folder()
 
     def _check(self, sampling_info, logprob_logits) -> None:
         check_sampling_params(RowParams(1, 1.0, 0.0), 1,
@@ -108,6 +111,12 @@ class OnpolicySampler(Sampler):
         if sampling_info.prompt_lens is None or sampling_info.sampling_seed is None:
             raise RuntimeError("onpolicy sampler: the batch carries no seeds / prompt lengths "
                                "(is the sampling patch applied?)")  # fmt: skip
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
+        """Whole fp32 log-prob rows, one per batch row: the op the trainer's digests use."""
+        return torch.stack([K.log_softmax(K.scale_logits(r, t))
+                            for r, t in zip(logits, temps, strict=True)])  # fmt: skip
 
     def forward(self, logits_output, sampling_info, return_logprob: bool,
                 top_logprobs_nums, token_ids_logprobs, positions: torch.Tensor, *,
@@ -137,13 +146,19 @@ class OnpolicySampler(Sampler):
             lps.append(lp)
             temps_used.append(1.0 if greedy else temps[i])
         ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        rows = None
+        if self.digests is not None:
+            rows = self._rows(logits, temps_used)
+            from sglang.srt.distributed.parallel_state import get_tp_group
+
+            rank = get_tp_group().rank_in_group
+            digests.record(self.digests, rank, seeds, steps, bits.row_digests(rows))
         if return_logprob:
             wants_rows = any(n > 0 for n in top_logprobs_nums) or any(
                 t is not None for t in token_ids_logprobs
             )
             if wants_rows:  # whole rows for top-k / listed ids; the same op per row
-                rows = torch.stack([K.log_softmax(K.scale_logits(r, t))
-                                    for r, t in zip(logits, temps_used, strict=True)])  # fmt: skip
+                rows = self._rows(logits, temps_used) if rows is None else rows
                 res = self.output_logprob_processor.compute_logprobs(
                     rows, top_logprobs_nums, token_ids_logprobs, ids
                 )

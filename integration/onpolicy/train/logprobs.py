@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from onpolicy import collectives
+from onpolicy import bits, collectives
 from onpolicy import kernels as K
 from onpolicy.contract.errors import ContractError
 from onpolicy.kernels.rules import vocab_parallel_exact, vocab_segments
@@ -263,9 +263,26 @@ def _assemble_routes(parts: list[dict], lengths: Sequence[int], layers: int,
     return out
 
 
+def row_digests(logits: torch.Tensor, temperature: float, rows: int = 1024) -> torch.Tensor:
+    """`bits.row_digests` of each position's whole fp32 log-prob row,
+    `kernels.log_softmax(kernels.scale_logits(logits, T))` over the full vocab (this rank's
+    shard [T, V/tp] is gathered over TP first, a copy): the exact sampler digests the same
+    function of its logits (`rollout.digests`). `rows` positions at a time bound the memory."""
+    full = logits if _tp_size() == 1 else collectives.all_gather(logits, _tp_group(), dim=-1)
+    return torch.cat([
+        bits.row_digests(K.log_softmax(K.scale_logits(full[i : i + rows], temperature)))
+        for i in range(0, full.shape[0], rows)
+    ]).cpu()  # fmt: skip
+
+
+def _tp_size() -> int:
+    return dist.get_world_size(_tp_group())
+
+
 @torch.no_grad()
 def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperature: float = 1.0,
-             *, micro_batch_tokens: int = 4096, routes: bool = False):  # fmt: skip
+             *, micro_batch_tokens: int = 4096, routes: bool = False,
+             digests: bool = False):  # fmt: skip
     """Per sequence, fp32 log p(token i | tokens < i) for i = 1..len-1, through `forward_only`.
 
     Call on every rank with the same sequences. Each DP replica packs its share into THD
@@ -276,7 +293,12 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
     int32 [len_i, layers, top_k], the global expert ids `ExactRouter` chose for every token of
     sequence i (position 0..len-1) in every layer, gathered from the SP shards, PP stages and
     DP replicas that routed them.
+
+    `digests=True` returns `(logprobs, digests)` the same way: digests[i] is int64 [len_i - 1],
+    `row_digests` of the whole log-prob row that scores token i + 1 (not with `routes`).
     """
+    if routes and digests:
+        raise ValueError("logprobs: routes and digests are not taken together")
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -293,8 +315,9 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
         out = chunk(mb.tokens[None].to(device), mb.positions[None].to(device), None,
                     packed_seq_params=mb.packed_seq_params(device))  # fmt: skip
 
-        def collect(output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
-            return token_logprobs(output[0], mb.targets, temperature).cpu()
+        def collect(output: torch.Tensor, non_loss_data: bool = True):
+            values = token_logprobs(output[0], mb.targets, temperature).cpu()
+            return (values, row_digests(output[0], temperature)) if digests else values
 
         return out, collect
 
@@ -316,7 +339,11 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
     found: dict[int, torch.Tensor] = {}
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for idx, mb, values in zip(mine, batches, per_mb, strict=True):
-            found.update(zip(idx, mb.split(values), strict=True))
+            if digests:
+                values = list(zip(mb.split(values[0]), mb.split(values[1]), strict=True))
+            else:
+                values = mb.split(values)
+            found.update(zip(idx, values, strict=True))
     lengths = [len(s) for s in sequences]
     sent = (found, _route_pieces(rec, mine, batches)) if rec is not None else found
     gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -332,6 +359,8 @@ def logprobs(model, sequences: Sequence[Sequence[int] | torch.Tensor], temperatu
             "sequences"
         )
     values = [merged[i] for i in range(len(sequences))]
+    if digests:
+        return [v for v, _ in values], [d for _, d in values]
     if rec is None:
         return values
     cfg = models[0].config
