@@ -13,6 +13,7 @@ nox -s parity                SGLang samples, Megatron scores: log-probs bitwise 
 nox -s convert -- ...        `onpolicy convert`: HF <-> Megatron torch-dist checkpoints, reshard
 nox -s e2e                   the GRPO loop on configs/tiny-cpu.toml (`-- --config FILE ...`)
 nox -s gpu-wheels            the offline GPU host's cp312 wheels, in parts (docs/gpu-host.md)
+nox -s gpu-wheels -- --lean  and the one-call bundle of what the host lacks (build/gpu-lean/)
 """
 
 from __future__ import annotations
@@ -202,7 +203,14 @@ def gpu_wheels(session: nox.Session) -> None:
     """The offline GPU host's files (docs/gpu-host.md): gpu-host-requirements.txt's cp312 wheels
     and the pinned sglang cp312 wheel and megatron-core sdist, checked for unmet requirements,
     in build/wheels-cp312/part-NN/ folders of <= 60 MiB with a sha256 manifest; skipped when
-    the requirements and pins are unchanged. `-- --cap-mib N` sets the part size."""
+    the requirements and pins are unchanged. `-- --cap-mib N` sets the part size. `-- --lean`
+    then also builds build/gpu-lean/: one folder for one call (gpu-host-lean.txt's wheels, the
+    patched engines as tarballs)."""
+    lean = "--lean" in session.posargs
+    args = [a for a in session.posargs if a != "--lean"]
     session.install("pip", "packaging")  # pip download for another Python; marker evaluation
     _tool(session, "onpolicy.upstream.gpu_wheels", "download", "--out",
-          str(ROOT / "build/wheels-cp312"), *session.posargs)  # fmt: skip
+          str(ROOT / "build/wheels-cp312"), *args)  # fmt: skip
+    if lean:
+        _tool(session, "onpolicy.upstream.gpu_wheels", "lean", "--wheels",
+              str(ROOT / "build/wheels-cp312"), "--out", str(ROOT / "build/gpu-lean"))  # fmt: skip

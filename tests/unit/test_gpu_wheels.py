@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onpolicy.upstream import gpu_wheels, parts
+from onpolicy.upstream import gpu_lean, gpu_wheels, parts
 from onpolicy.upstream.errors import UpstreamError
 
 FORBIDDEN = re.compile(r"^(torch|triton|nvidia-.*|sgl-kernel|sglang-kernel|flashinfer.*)$")
@@ -183,3 +184,164 @@ def test_every_requirement_of_a_shipped_wheel_is_met_reported_or_refused(tmp_pat
         "app needs timm: not shipped (vision only)",
         "app needs torch==2.14.1; the host has torch 2.11.0+cu130",
     ]), notes  # fmt: skip
+
+
+# The lean bundle (gpu_lean.py): one folder under the call limit, installed with pip --target.
+
+
+def test_the_lean_list_pins_each_package_as_the_requirement_list_does():
+    pins = gpu_wheels.read_requirements().pins
+    text = gpu_lean.LEAN.read_text()
+    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    listed = [ln.split("==") for ln in lines if ln]
+    assert len(listed) >= 60, f"only {len(listed)} lines read"
+    differ = [f"{n}=={v} (requirements: {pins.get(gpu_wheels.canonical(n))})"
+              for n, v in listed if pins.get(gpu_wheels.canonical(n)) != v]  # fmt: skip
+    assert not differ, differ
+    lean = gpu_lean.read_lean()
+    assert sorted(lean) == sorted(gpu_wheels.canonical(n) for n, _ in listed)
+    for needed in ("transformers", "ipython", "xgrammar", "pydantic", "pyzmq"):
+        assert needed in lean, f"{needed} left out of the lean list"
+    for unneeded in ("ray", "wandb", "torch", "triton", "mistral-common"):
+        assert unneeded not in lean, f"{unneeded} is in the lean list"
+
+
+@pytest.mark.parametrize(
+    ("line", "refused"),
+    [
+        ("six==1.16.0", "but gpu-host-requirements.txt pins 1.17.0"),
+        ("numpy==2.3.5", "does not pin it"),
+        ("six>=1.0", "not pinned"),
+        ("six==1.17.0\nSix==1.17.0", "listed twice"),
+    ],
+)
+def test_the_lean_reader_refuses_a_pin_that_differs_from_the_requirements(tmp_path, line, refused):
+    path = tmp_path / "lean.txt"
+    path.write_text(f"# why\nidna==3.11\n{line}\n")
+    with pytest.raises(UpstreamError, match=refused):
+        gpu_lean.read_lean(path, pins={"six": "1.17.0", "idna": "3.11"})
+
+
+def sglang_wheel(path: Path) -> dict[str, bytes]:
+    files = {
+        "sglang/__init__.py": b"x = 1\n",
+        "sglang/utils.py": b"import IPython\n",
+        "sglang/srt/rust_extensions/__init__.py": b"",
+        "sglang/srt/rust_extensions/loader.py": b"# loads by name\n",
+        **{f"sglang/srt/rust_extensions/{m}.cpython-312-x86_64-linux-gnu.so": m.encode() * 50
+           for m in ("_bench", "_grpc", "_multimodal", "_server")},
+        "sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-312-x86_64-linux-gnu.so": b"\x7fELF",
+        "sglang/srt/mem_cache/rust_tree_core/__init__.py": b"",
+        "sglang/test/test_utils.py": b"",
+        "sglang/test/a/b.py": b"",
+        "sglang/benchmark/bench.py": b"",
+        "sglang/multimodal_gen/test/unit/t.py": b"",  # not sglang/test: kept
+        "sglang/srt/testing_tools.py": b"",  # a name starting like a dropped one: kept
+    }  # fmt: skip
+    rows = [f"{n},sha256=x,{len(d)}" for n, d in files.items()] + ["sglang-0.1.dist-info/RECORD,,"]
+    files["sglang-0.1.dist-info/RECORD"] = ("\n".join(rows) + "\n").encode()
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+    return files
+
+
+def test_the_sglang_tarball_drops_exactly_the_unloaded_rust_extensions_tests_and_benchmarks(
+    tmp_path,
+):
+    files = sglang_wheel(tmp_path / "sglang-0.1-cp312-cp312-linux_x86_64.whl")
+    gone = gpu_lean.pack_sglang(tmp_path / "sglang-0.1-cp312-cp312-linux_x86_64.whl",
+                                tmp_path / "s.tar.xz")  # fmt: skip
+    expected_gone = {
+        *(f"sglang/srt/rust_extensions/{m}.cpython-312-x86_64-linux-gnu.so"
+          for m in ("_bench", "_grpc", "_multimodal", "_server")),
+        "sglang/test/test_utils.py", "sglang/test/a/b.py", "sglang/benchmark/bench.py",
+    }  # fmt: skip
+    assert set(gone) == expected_gone
+    with tarfile.open(tmp_path / "s.tar.xz") as t:
+        members = {m.name: t.extractfile(m).read() for m in t.getmembers()}
+    assert set(members) == set(files) - expected_gone
+    for name in set(members) - {"sglang-0.1.dist-info/RECORD"}:
+        assert members[name] == files[name], f"{name} changed in the tarball"
+    record = members["sglang-0.1.dist-info/RECORD"].decode()
+    rows = {r.split(",")[0] for r in record.splitlines()}
+    assert rows == set(members), "RECORD does not list exactly the files kept"
+    again = tmp_path / "again.tar.xz"
+    gpu_lean.pack_sglang(tmp_path / "sglang-0.1-cp312-cp312-linux_x86_64.whl", again)
+    assert sha(again) == sha(tmp_path / "s.tar.xz"), "packing is not reproducible"
+
+
+def lean_bundle(tmp_path: Path, *, limit: int = gpu_lean.LIMIT) -> tuple[Path, dict]:
+    staging = tmp_path / "staging"
+    fake_files(staging / "wheels", {"alpha": 3000, "beta": 2000})
+    sglang_wheel(tmp_path / "sglang.whl")
+    gpu_lean.pack_sglang(tmp_path / "sglang.whl", staging / gpu_lean.SGLANG_TAR)
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    (tmp_path / "megatron" / "core" / "__init__.py").write_text("x = 1\n")
+    (tmp_path / "megatron" / "core" / "__pycache__").mkdir()
+    (tmp_path / "megatron" / "core" / "__pycache__" / "x.pyc").write_bytes(b"stale")
+    assert gpu_lean.pack_tree(tmp_path / "megatron", staging / gpu_lean.MEGATRON_TAR) == 1
+    return tmp_path / "bundle", gpu_lean.seal(staging, tmp_path / "bundle", limit=limit)
+
+
+def test_a_lean_bundle_over_the_limit_is_refused_naming_the_rule_and_both_sizes(tmp_path):
+    bundle, sealed = lean_bundle(tmp_path / "fits")
+    total = sealed["total"]
+    assert total == sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    assert sealed["limit"] == 60 << 20, "the limit is not 64 MiB less the 4 MiB margin"
+    with pytest.raises(UpstreamError) as e:
+        lean_bundle(tmp_path / "over", limit=total - 1)
+    msg = str(e.value)
+    assert f"{total:,} bytes" in msg and f"{total - 1:,} bytes" in msg, msg
+    assert "64 MiB" in msg and "working tree" in msg, msg
+    assert not (tmp_path / "over" / "bundle").exists(), "a refused bundle was left in place"
+    assert not (tmp_path / "over" / "staging").exists(), "the refused staging folder was kept"
+
+
+def test_install_lean_refuses_a_corrupted_file_naming_it_before_installing(tmp_path, monkeypatch):
+    bundle, sealed = lean_bundle(tmp_path)
+    ran = []
+    monkeypatch.setattr(gpu_wheels, "_run", ran.append)
+    monkeypatch.setattr(gpu_wheels, "check_imports", lambda **kw: ran.append(kw))
+    victim = bundle / next(f["file"] for f in sealed["files"] if "beta" in f["file"])
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(UpstreamError) as e:
+        gpu_lean.install(tmp_path, bundle, tmp_path / "site")
+    assert victim.name in str(e.value) and "sha256 mismatch" in str(e.value), str(e.value)
+    assert ran == [] and not (tmp_path / "site").exists(), "installed before every file checked"
+    (bundle / gpu_lean.MEGATRON_TAR).unlink()
+    victim.write_bytes(bytes(data[:100]) + bytes([data[100] ^ 1]) + bytes(data[101:]))
+    with pytest.raises(UpstreamError, match=gpu_lean.MEGATRON_TAR + " is missing"):
+        gpu_lean.install(tmp_path, bundle, tmp_path / "site")
+    assert ran == []
+
+
+def test_install_lean_fills_the_target_from_the_checked_bundle(tmp_path, monkeypatch):
+    bundle, _ = lean_bundle(tmp_path)
+    ran: list = []
+    monkeypatch.setattr(gpu_wheels, "_run", lambda cmd: ran.append(cmd))
+    monkeypatch.setattr(gpu_wheels, "check_imports", lambda **kw: ran.append(kw))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "mine.txt").write_text("not the tool's")
+    with pytest.raises(UpstreamError, match="did not write"):
+        gpu_lean.install(tmp_path, bundle, tmp_path / "site")
+    assert ran == [], "pip ran before the target was found not replaceable"
+    (tmp_path / "site" / "mine.txt").unlink()
+    path = gpu_lean.install(tmp_path, bundle, tmp_path / "site")
+    pip, imports = ran
+    assert pip[pip.index("--target") + 1] == str(tmp_path / ".site.staging")
+    assert sorted(Path(w).name for w in pip if w.endswith(".whl")) == sorted(
+        f.name for f in (bundle / "wheels").iterdir()
+    )
+    for flag in ("--no-index", "--no-deps", "--no-compile", "--no-cache-dir"):
+        assert flag in pip, f"pip ran without {flag}"
+    site = tmp_path / "site"
+    assert (site / "sglang" / "srt" / "mem_cache" / "rust_tree_core" / "__init__.py").is_file()
+    assert not (site / "sglang" / "test").exists()
+    assert (site / "megatron" / "core" / "__init__.py").read_text() == "x = 1\n"
+    assert not (site / "megatron" / "core" / "__pycache__").exists()
+    assert path == f"{site}:{tmp_path / 'integration'}" and imports == {"pythonpath": path}
+    gpu_lean.install(tmp_path, bundle, site)  # a folder it filled itself is replaced
+    assert (site / gpu_lean.INSTALLED).is_file()
