@@ -149,3 +149,47 @@ def test_a_dead_worker_is_named_with_its_exit_code_and_log(tmp_path):
     hang = [sys.executable, "-c", "import time; time.sleep(60)"]
     with pytest.raises(WorkerError, match="trainer world1 ran past 1 s and was killed"):
         _run("trainer world1", hang, dict(os.environ), log, timeout=1)
+
+
+# --- whole log-prob rows, by digest ------------------------------------------------------------
+def test_row_digests_see_every_entry_and_not_the_order_of_the_sum():
+    from onpolicy.bits import row_digests
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(4, 151936, generator=g) - 12.0
+    d = row_digests(rows)
+    assert d.dtype == torch.int64 and d.shape == (4,)
+    assert torch.equal(row_digests(rows.clone()), d)
+    assert torch.equal(row_digests(rows[[2, 0]]), d[[2, 0]])  # a row's digest is its own
+    for j in (0, 77_777, 151_935):  # one ulp anywhere in a row changes that row's digest only
+        bumped = rows.clone()
+        bumped[1, j] = torch.nextafter(bumped[1, j], torch.tensor(0.0))
+        changed = row_digests(bumped) != d
+        assert changed.tolist() == [False, True, False, False], j
+    zeros = torch.zeros(1, 8)
+    assert row_digests(zeros) != row_digests(-zeros)  # -0.0 and +0.0 are different bits
+    with pytest.raises(ValueError, match="float32"):
+        row_digests(rows.to(torch.bfloat16))
+
+
+def test_compare_rows_counts_positions_and_names_the_first_in_hex():
+    from onpolicy.compare import compare_rows
+
+    samples, scores = rollout_and_scores()
+    digests = {i: torch.arange(len(s["prompt"]) + len(s["output_ids"]) - 1) * 1000 + i
+               for i, s in enumerate(samples)}  # fmt: skip
+    for i, s in enumerate(samples):
+        s["row_digests"] = digests[i][len(s["prompt"]) - 1 :].tolist()
+    r = compare_rows(compare(samples, scores, "tp1:world1"), samples, digests)
+    assert (r.rows_equal, r.rows_compared, r.first_row, r.ok) == (10, 10, None, True)
+    samples[0]["row_digests"][1] = -1
+    r = compare_rows(compare(samples, scores, "tp1:world1"), samples, digests)
+    assert (r.rows_equal, r.rows_compared, r.ok) == (9, 10, False)
+    assert r.first_row == (
+        "first row mismatch: sample 0, position 4 (generated token 1): rollout "
+        "row digest 0xffffffffffffffff vs trainer 0x0000000000000bb8"
+    ), r.first_row
+    table = format_table([r])
+    assert "rows equal / compared" in table and " 9 / 10 " in table, table
+    with pytest.raises(ValueError, match="trainer row digests"):
+        compare_rows(r, samples, {i: d[:-1] for i, d in digests.items()})
