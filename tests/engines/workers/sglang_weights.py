@@ -89,7 +89,10 @@ def run_phases(args, req, dist_sd: dict, trainer_proc: subprocess.Popen) -> list
     )
     from sglang.srt.utils import MultiprocessingSerializer
 
-    engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock)
+    # sleep_on_idle, as the run's engines: while it waits for the trainer process (importing
+    # beside it) an idle scheduler waits on its sockets instead of spinning
+    engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock,
+                    sleep_on_idle=True)  # fmt: skip
     tm, run = engine.tokenizer_manager, engine.loop.run_until_complete
     phases: list[dict] = []
 
