@@ -8,6 +8,9 @@ once and scored by several trainer layouts):
 - the negative controls, the same harness with one side on its engine's stock path: SGLang's
   stock CPU path sampling for the TP2 SP trainer, and Megatron's local spec scoring the TP2
   rollout at world 1; both must differ.
+With `--row-digests` every generated position's whole log-prob row is compared too, by digest:
+equal for every exact pair; the local spec's rows (torch's log_softmax) differ, and the stock
+sampler records none.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ CONFIG = REPO / "configs" / "tiny-cpu.toml"
 EXACT_PAIRS = ["tp2-ep2:world8-tp2-pp2-ep2-sp", "tp2:world1", "tp1:world2-tp2-sp"]
 CONTROLS = ["tp1-stock:world2-tp2-sp", "tp2:world1-stock"]
 PROMPTS, NEW_TOKENS, TEMPERATURE = 4, 12, 0.8
-ROW = re.compile(r"^(\S+)\s+(\d+) / (\d+)\s+(bitwise equal|DIFFER)$")
+ROW = re.compile(r"^(\S+)\s+(\d+) / (\d+)\s+(\d+) / (\d+)\s+(bitwise equal|DIFFER)$")
 
 
 def parity(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
@@ -35,11 +38,13 @@ def parity(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def table(stdout: str) -> dict[str, tuple[int, int, str]]:
+def table(stdout: str) -> dict[str, tuple[int, int, str, int, int]]:
+    """pair -> (tokens equal, compared, verdict, rows equal, rows compared)."""
     rows = {}
     for line in stdout.splitlines():
         if m := ROW.match(line):
-            rows[m.group(1)] = (int(m.group(2)), int(m.group(3)), m.group(4))
+            rows[m.group(1)] = (int(m.group(2)), int(m.group(3)), m.group(6), int(m.group(4)),
+                                int(m.group(5)))  # fmt: skip
     return rows
 
 
@@ -48,19 +53,27 @@ def table(stdout: str) -> dict[str, tuple[int, int, str]]:
 def test_parity_pairs_and_stock_controls(tmp_path):
     p = parity("--config", str(CONFIG), "--pairs", *EXACT_PAIRS, *CONTROLS,
                "--workdir", str(tmp_path), "--prompts", str(PROMPTS),
-               "--new-tokens", str(NEW_TOKENS), "--temperature", str(TEMPERATURE))  # fmt: skip
+               "--new-tokens", str(NEW_TOKENS), "--temperature", str(TEMPERATURE),
+               "--row-digests")  # fmt: skip
     print(p.stdout)
     rows = table(p.stdout)
     assert set(rows) == {*EXACT_PAIRS, *CONTROLS}, f"rc {p.returncode}\n{p.stdout}\n{p.stderr}"
     tokens = PROMPTS * NEW_TOKENS
     for pair in EXACT_PAIRS:
-        assert rows[pair] == (tokens, tokens, "bitwise equal"), f"{pair}: {rows[pair]}\n{p.stdout}"
+        want = (tokens, tokens, "bitwise equal", tokens, tokens)
+        assert rows[pair] == want, f"{pair}: {rows[pair]}\n{p.stdout}"
     # The same harness with one side on its stock path: it must break, and say where.
     for pair in CONTROLS:
-        equal, compared, verdict = rows[pair]
+        equal, compared, verdict, _, _ = rows[pair]
         assert compared == tokens and equal < compared and verdict == "DIFFER", rows[pair]
-        first = [line for line in p.stdout.splitlines() if line.startswith(f"{pair}: first")]
+        head = f"{pair}: first mismatch"
+        first = [line for line in p.stdout.splitlines() if line.startswith(head)]
         assert len(first) == 1 and re.search(
             r"token id \d+: rollout \S+ \(0x[0-9a-f]{8}\) vs trainer \S+ \(0x[0-9a-f]{8}\)$",
             first[0]), p.stdout  # fmt: skip
+    assert rows["tp1-stock:world2-tp2-sp"][3:] == (0, 0)  # the stock sampler digests nothing
+    rows_equal, rows_compared = rows["tp2:world1-stock"][3:]
+    assert rows_compared == tokens and rows_equal < tokens, rows["tp2:world1-stock"]
+    assert re.search(r"^tp2:world1-stock: first row mismatch: .* row digest 0x[0-9a-f]{16} vs "
+                     r"trainer 0x[0-9a-f]{16}$", p.stdout, re.M), p.stdout  # fmt: skip
     assert p.returncode == 1, "a differing pair must fail the command"
