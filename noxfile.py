@@ -212,5 +212,5 @@ def gpu_wheels(session: nox.Session) -> None:
     _tool(session, "onpolicy.upstream.gpu_wheels", "download", "--out",
           str(ROOT / "build/wheels-cp312"), *args)  # fmt: skip
     if lean:
-        _tool(session, "onpolicy.upstream.gpu_wheels", "lean", "--wheels",
+        _tool(session, "onpolicy.upstream.gpu_lean", "build", "--wheels",
               str(ROOT / "build/wheels-cp312"), "--out", str(ROOT / "build/gpu-lean"))  # fmt: skip

@@ -1,12 +1,16 @@
 """The lean GPU-host bundle: what the exact SGLang engine and megatron-core need beyond the host's
 own packages, in one folder that fits one call (64 MiB, the working tree included).
 
-- `lean` (the networked machine, after `download`): the wheels pinned in gpu-host-lean.txt, taken
-  from the download's parts (sha256-checked against its manifest); the patched sglang cp312 wheel
-  (`patched_sglang`) as a .tar.xz without the Rust extensions the engine does not load and
-  without sglang/test and sglang/benchmark; the patched megatron tree (`patched_megatron`) as a
-  .tar.xz; a manifest of every file's sha256. A bundle over LIMIT is refused.
-- `install-lean` (the GPU host): checks every sha256 first, then `pip install --target` of the
+`python -m onpolicy.upstream.gpu_lean build|install` (`nox -s gpu-wheels -- --lean` runs
+`build`):
+
+- `build` (the networked machine, after gpu_wheels' `download`): the wheels pinned in
+  gpu-host-lean.txt, taken from the download's parts (sha256-checked against its manifest);
+  the patched sglang cp312 wheel (`patched_sglang`) as a .tar.xz without the Rust extensions
+  the engine does not load and without sglang/test and sglang/benchmark; the patched megatron
+  tree (`patched_megatron`) as a .tar.xz; a manifest of every file's sha256. A bundle over
+  LIMIT is refused.
+- `install` (the GPU host): checks every sha256 first, then `pip install --target` of the
   wheels and the two tar extractions into one folder, prints the PYTHONPATH to export and imports
   sglang, megatron.core and onpolicy in a fresh interpreter.
 
@@ -15,6 +19,7 @@ docs/gpu-host.md has the steps.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import fnmatch
 import hashlib
@@ -29,6 +34,7 @@ import zipfile
 from pathlib import Path
 
 from onpolicy.upstream import gpu_wheels, parts
+from onpolicy.upstream.cli import find_root
 from onpolicy.upstream.errors import UpstreamError
 from onpolicy.upstream.pins import sha256_of
 
@@ -55,7 +61,7 @@ server front ends (42 MB unpacked; imported only by the Rust server, multimodal 
 HTTP entry point, which the exact engine does not load), and sglang's own tests and benchmarks.
 sglang/srt/mem_cache/rust_tree_core (the radix tree's extension) is kept."""
 INSTALLED = ".onpolicy-lean"
-"""Written into a target `install-lean` filled, so a later run may replace that folder."""
+"""Written into a target `install` filled, so a later run may replace that folder."""
 XZ_PRESET = 6
 """xz's default: preset 9 made sglang's files under 1% smaller at three times the time."""
 FIXED_MTIME = 946684800  # 2000-01-01, as the patched trees' commits: the tarballs are reproducible
@@ -260,3 +266,33 @@ def install(root: Path, bundle: Path, target: Path) -> str:
     print(f"{target}: {len(wheels)} wheels, sglang, megatron\nexport PYTHONPATH={pythonpath}")
     gpu_wheels.check_imports(pythonpath=pythonpath)
     return pythonpath
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m onpolicy.upstream.gpu_lean",
+                                 description=__doc__.splitlines()[0])  # fmt: skip
+    ap.add_argument("--root", type=Path, default=None, help="repo root (default: search upward)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("build", help="networked machine: the one-call bundle from the parts")
+    p.add_argument("--wheels", type=Path, default=None, help="default: build/wheels-cp312")
+    p.add_argument("--out", type=Path, default=None, help="default: build/gpu-lean")
+    p = sub.add_parser("install", help="GPU host: check the lean bundle, install, import")
+    p.add_argument("--bundle", type=Path, default=None, help="default: build/gpu-lean")
+    p.add_argument("--target", type=Path, default=None, help="default: build/gpu-site")
+    args = ap.parse_args(argv)
+    try:
+        root = args.root.resolve() if args.root else find_root()
+        if args.cmd == "build":
+            wheels = (args.wheels or root / "build" / "wheels-cp312").resolve()
+            build(root, wheels, (args.out or root / "build" / "gpu-lean").resolve())
+        else:
+            bundle = (args.bundle or root / "build" / "gpu-lean").resolve()
+            install(root, bundle, (args.target or root / "build" / "gpu-site").resolve())
+    except UpstreamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,9 +12,9 @@ The GPU host runs CPython 3.12 with torch and Triton preinstalled, and has no ne
   installed; the wheels go in with `pip install --no-index --no-deps`; the two engines are then
   patched and built as `nox -s build` does (`tree.apply`, then `install_tree.installable`) and
   installed with onpolicy, and `sglang`, `megatron.core` and `onpolicy` are imported.
-- `lean` / `install-lean` (gpu_lean.py): one folder under the 64 MiB call limit holding only
-  what the host lacks (gpu-host-lean.txt) and the two patched engines, installed with
-  `pip --target` into a folder put on PYTHONPATH.
+- the lean bundle (`python -m onpolicy.upstream.gpu_lean build|install`): one folder under the
+  64 MiB call limit holding only what the host lacks (gpu-host-lean.txt) and the two patched
+  engines, installed with `pip --target` into a folder put on PYTHONPATH.
 
 docs/gpu-host.md has the steps.
 """
@@ -358,12 +358,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--wheels", type=Path, required=True, help="the folder holding part-NN/")
         p.add_argument("--part", type=int, default=None, help="only this part")
     sub.add_parser("check", help="import sglang, megatron.core and onpolicy")
-    p = sub.add_parser("lean", help="networked machine: the one-call bundle from the parts")
-    p.add_argument("--wheels", type=Path, default=None, help="default: build/wheels-cp312")
-    p.add_argument("--out", type=Path, default=None, help="default: build/gpu-lean")
-    p = sub.add_parser("install-lean", help="GPU host: check the lean bundle, install, import")
-    p.add_argument("--bundle", type=Path, default=None, help="default: build/gpu-lean")
-    p.add_argument("--target", type=Path, default=None, help="default: build/gpu-site")
     args = ap.parse_args(argv)
     try:
         root = args.root.resolve() if args.root else find_root()
@@ -377,16 +371,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n} files match the manifest" + (f" in part {args.part}" if args.part else ""))
         elif args.cmd == "install":
             install(root, args.wheels.resolve(), part=args.part)
-        elif args.cmd == "lean":
-            from onpolicy.upstream import gpu_lean  # it imports this module
-
-            wheels = (args.wheels or root / "build" / "wheels-cp312").resolve()
-            gpu_lean.build(root, wheels, (args.out or root / "build" / "gpu-lean").resolve())
-        elif args.cmd == "install-lean":
-            from onpolicy.upstream import gpu_lean
-
-            bundle = (args.bundle or root / "build" / "gpu-lean").resolve()
-            gpu_lean.install(root, bundle, (args.target or root / "build" / "gpu-site").resolve())
         else:
             check_imports()
     except UpstreamError as e:
