@@ -67,3 +67,29 @@ def test_a_captured_decode_step_replays_the_eager_bits(model, batch):
     fresh = step()
     assert not torch.equal(fresh, eager), "new tokens gave the old logits"
     assert_bitwise(out, fresh, "replay with new tokens in the captured buffer")
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+@torch.no_grad()
+def test_expert_outputs_of_local_experts_capture_and_replay(tokens):
+    """The rollout's EP path (`local_experts`) inside a capture: after one eager call (SGLang
+    warms up before it captures) the step makes no host-to-device copy, so the capture holds,
+    and a replay gives the eager bits (small-batch schedule at 1 token, sorted at 40)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    e, h, inter, k = 16, 256, 128, 8
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(tokens)])
+    wg, wu = (torch.randn(e, inter, h, device="cuda", dtype=torch.bfloat16, generator=g) / 16
+              for _ in range(2))  # fmt: skip
+    wd = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16, generator=g) / 16
+    local = range(4, 12)
+
+    def step() -> torch.Tensor:
+        return K.moe_expert_outputs(x, ids, wg, wu, wd, local_experts=local)
+
+    eager = step().clone()
+    graph, out = captured(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(out, eager, "replay")
+    assert bool((eager[(ids < 4) | (ids >= 12)] == 0).all())  # non-local slots stay zero

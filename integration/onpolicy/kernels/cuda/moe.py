@@ -227,13 +227,25 @@ def _expert_outputs_native(x, w_gate, w_up, w_down, topk_ids, local_experts):
     return out
 
 
+_LOCAL_IDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _local_ids(local_experts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The local expert ids on `device`, made once: a host-to-device copy inside a CUDA-graph
+    capture fails it (SGLang's decode capture hit this one), and the warm-up runs before it."""
+    key = (tuple(int(e) for e in local_experts), torch.device(device))
+    got = _LOCAL_IDS.get(key)
+    if got is None:
+        got = _LOCAL_IDS[key] = torch.tensor(key[0], dtype=torch.long, device=device)
+    return got
+
+
 def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segments):
     t, k = topk_ids.shape
     num_experts, hidden = w_gate.shape[0], w_down.shape[1]
     ids = topk_ids.reshape(-1).long()
     if local_experts is not None:
-        local = torch.as_tensor(list(local_experts), dtype=torch.long, device=ids.device)
-        ids = torch.where(torch.isin(ids, local), ids, num_experts)
+        ids = torch.where(torch.isin(ids, _local_ids(local_experts, ids.device)), ids, num_experts)
     if ids.numel() == 0:
         return x.new_zeros(t, k, hidden)
     n = ids.numel()
