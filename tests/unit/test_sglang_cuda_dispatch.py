@@ -67,12 +67,14 @@ from pathlib import Path
 
 import pytest
 from onpolicy.upstream import tree
+from test_sglang_cuda_imports import FAKE_H200
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-HARNESS = r"""
+HARNESS = (
+    r"""
 import functools, importlib, importlib.abc, importlib.machinery, json, sys, traceback, types
 import msgspec
 import torch
@@ -132,15 +134,9 @@ class Installed(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, Installed())
-torch.cuda.is_available = lambda: True
-torch.version.cuda = "13.0"
-torch.cuda.device_count = lambda: 1
-torch.cuda.current_device = lambda: 0
-torch.cuda.get_device_capability = lambda device=None: (9, 0)
-torch.cuda.get_device_name = lambda device=None: "NVIDIA H200"
-H200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
-                             total_memory=141 * 2**30, gcnArchName="", L2_cache_size=60 * 2**20)
-torch.cuda.get_device_properties = lambda device=None: H200
+"""
+    + FAKE_H200
+    + r"""
 
 import importlib.util
 from sglang.srt.utils import is_cuda, is_flashinfer_available
@@ -418,6 +414,7 @@ out["stock attention backends"] = {
 }
 print(json.dumps(out))
 """
+)
 
 
 def run_harness(work: Path, tmp: Path) -> dict:

@@ -66,12 +66,7 @@ EXACT_PATH = [
 Measured on 2026-12-04: every sglang module a CPU exact engine loaded (1,443) imports in this
 harness too, but for 7 that fail on CPU as well (cutlass, deep_gemm, sglang.private)."""
 
-HARNESS = r"""
-import importlib, importlib.abc, importlib.util, json, sys, traceback, types
-import torch
-
-for name in ("sgl_kernel", "flashinfer"):
-    sys.modules[name] = None  # absent: import raises, importlib.util.find_spec -> None
+FAKE_H200 = r"""
 torch.cuda.is_available = lambda: True
 torch.version.cuda = "13.0"
 torch.cuda.device_count = lambda: 1
@@ -81,6 +76,19 @@ torch.cuda.get_device_name = lambda device=None: "NVIDIA H200"
 H200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
                              total_memory=141 * 2**30, gcnArchName="", L2_cache_size=60 * 2**20)
 torch.cuda.get_device_properties = lambda device=None: H200
+"""
+"""Harness lines that make torch report one H200 (SGLang's CUDA branches read these)."""
+
+HARNESS = (
+    r"""
+import importlib, importlib.abc, importlib.util, json, sys, traceback, types
+import torch
+
+for name in ("sgl_kernel", "flashinfer"):
+    sys.modules[name] = None  # absent: import raises, importlib.util.find_spec -> None
+"""
+    + FAKE_H200
+    + r"""
 
 
 class Text(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -139,6 +147,7 @@ for key, target in (("rms_norm", "onpolicy"), ("rms_norm_off", "")):
         out[key] = f"{type(e).__name__}: {e}"
 print(json.dumps(out))
 """
+)
 
 
 def cuda_load(work: Path, tmp: Path, texts: dict[str, tuple[str, str]] | None = None) -> dict:
