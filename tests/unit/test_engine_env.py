@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from onpolicy.rollout import engine_env
+from onpolicy.rollout.engine import MODEL_PACKAGE_ENV
 
 SKIP = "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"
 
@@ -42,3 +43,36 @@ def test_a_cuda_engine_takes_the_python_radix_tree_core_by_the_name_sglang_reads
 
     assert getattr(envs, TREE).name == TREE
     assert "python" in registered_tree_core_backends()
+
+
+_REGISTRY = """
+import sys
+from sglang.srt.models.registry import ModelRegistry, _ModelRegistry
+from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+cls, arch = ModelRegistry.resolve_model_cls(["Qwen3MoeForCausalLM"])
+assert cls is Qwen3MoeForCausalLM and arch == "Qwen3MoeForCausalLM", (cls, arch)
+print(int("sglang.srt.models.llama" in sys.modules), len(ModelRegistry.models))
+stock = _ModelRegistry()  # what the registry does without the variable
+stock.register("sglang.srt.models")
+assert stock.resolve_model_cls(["Qwen3MoeForCausalLM"])[0] is Qwen3MoeForCausalLM
+print(int("sglang.srt.models.llama" in sys.modules), len(stock.models))
+"""
+
+
+def test_the_registry_resolves_sglangs_qwen3_moe_without_importing_the_other_models(tmp_path):
+    """Every engine takes `rollout.models` as SGLang's external model package: SGLang's own
+    class, and none of its ~200 default model modules imported (4.7 CPU-s in every scheduler
+    process). The control, in the same process: the registry SGLang builds without the
+    variable imports them all."""
+    import os
+    import subprocess
+    import sys
+
+    env = engine_env(1, tmp_path, "cpu")
+    assert engine_env(1, tmp_path, "cuda")[MODEL_PACKAGE_ENV] == env[MODEL_PACKAGE_ENV]
+    p = subprocess.run([sys.executable, "-c", _REGISTRY], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    ours, stock = (tuple(map(int, ln.split())) for ln in p.stdout.splitlines())
+    assert ours == (0, 1), ours
+    assert stock[0] == 1 and stock[1] > 100, stock

@@ -29,8 +29,10 @@ from onpolicy.rollout.switch import ATTENTION_BACKEND, TARGET
 from onpolicy.segments import ENV as K_SEGMENTS_ENV
 from onpolicy.segments import KSegments
 
-
 # --- starting an engine ---------------------------------------------------------------------
+MODEL_PACKAGE_ENV, MODEL_PACKAGE = "SGLANG_EXTERNAL_MODEL_PACKAGE", "onpolicy.rollout.models"
+
+
 def engine_env(tp: int, run_dir: str | os.PathLike, device: str = "cpu", *,
                segments: KSegments | None = None,
                base: Mapping[str, str] | None = None) -> dict[str, str]:  # fmt: skip
@@ -46,6 +48,8 @@ def engine_env(tp: int, run_dir: str | os.PathLike, device: str = "cpu", *,
     env = {
         "SGLANG_CACHE_DIR": str(run / "sglang-cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(run / "inductor-cache"),
+        # The registry then imports only the model this project runs (rollout/models).
+        MODEL_PACKAGE_ENV: MODEL_PACKAGE,
     }
     if segments is not None:
         env[K_SEGMENTS_ENV] = segments.env_value()
