@@ -1,8 +1,8 @@
 """`onpolicy e2e` on real prompts: configs/tiny-cpu-math.toml (the generated arithmetic set in
 JSONL, eval on its Parquet file, the tiny tokenizer's chat template, rewards on the decoded
-responses), on the real engines: Ray, 4 Megatron ranks (TP2 EP2 SP) and one exact SGLang engine
-(TP2 EP2); the config's own layouts (8 ranks, two engines) run the band task in test_grpo.py,
-and the data path does not depend on them.
+responses), on the real engines at the smallest layouts: Ray, 2 Megatron ranks (TP2 SP) and one
+exact SGLang engine (TP1); the config's own layouts (8 ranks, two engines TP2 EP2) run the band
+task in test_grpo.py, and the data path does not depend on them.
 
 Three processes:
 - `math`: 3 steps of the config as it is, math-verify rewards, eval at step 2 (eval.every) and
@@ -34,7 +34,8 @@ from cli_run import Run, assert_on_policy, sets, stopped_on_error
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu-math.toml"
 FIXTURES = REPO / "tests" / "unit"  # reward_fixtures
-SMALL = ("run.wandb_mode=disabled", "training.world=4", "training.pp=1", "rollout.engines=1")
+SMALL = ("run.wandb_mode=disabled", "training.world=2", "training.tp=2", "training.pp=1",
+         "training.ep=1", "rollout.engines=1", "rollout.tp=1", "rollout.ep=1")  # fmt: skip
 FILTERED = ("run.checkpoint_every=2", 'reward.name="custom"',
             'reward.path="reward_fixtures:has_digit"', "grpo.filter_groups=true",
             "grpo.filter_max_batches=3")  # fmt: skip

@@ -4,6 +4,7 @@ made from outside while it runs. Each must end with exit 3, a one-line cause nam
 and what it was doing, and no process of the run left:
 
 - an engine killed (SIGKILL) while it samples step 2's rollout;
+- a trainer rank killed (SIGKILL) after step 1;
 - a trainer rank stopped (SIGSTOP) after step 1, so its peer waits in a collective: the next
   call gets no answer within run.actor_timeout_s and the stopped rank is named as stopped;
 - a trainer rank's save raising (the checkpoints folder is a file by then): the actor's root
@@ -61,6 +62,20 @@ def test_an_engine_killed_mid_rollout_stops_the_run(tmp_path, compile_cache):
     assert _cause(run, "generate").startswith("onpolicy e2e: generate: engine0 died: "), run.text[
         -3000:
     ]
+    assert [r["step"] for r in run.metrics()] == [1], run.text[-3000:]
+    run.check_clean()
+
+
+def test_a_killed_trainer_rank_stops_the_run(tmp_path, compile_cache):
+    with stopped_on_error():
+        run = _run(tmp_path / "trainer", cache=compile_cache)
+        assert run.until(lambda: _rows(run) >= 1), run.text[-4000:]
+        os.kill(_pids(run)["trainer rank 1"], signal.SIGKILL)
+        code = run.wait()
+    assert code == 3, run.text[-4000:]
+    causes = [ln for ln in run.text.splitlines() if ln.startswith("onpolicy e2e: ")
+              and ": trainer rank 1 died" in ln]  # fmt: skip
+    assert len(causes) == 1, run.text[-4000:]
     assert [r["step"] for r in run.metrics()] == [1], run.text[-3000:]
     run.check_clean()
 
