@@ -8,8 +8,9 @@ and no process of it may be left after it exits. The runs:
   leaves it (`latest` names step 1, step 2's shards are on disk): `--resume` sets the
   unpublished save aside and continues from step 1 to the uninterrupted run's metrics and
   weights, bit for bit;
-- `stock`: the rollout on SGLang's stock path (the assertion's negative control), one engine,
-  prompts of 1 to 300 tokens: the run stops at step 1 naming the first differing token;
+- `stock`: the rollout on SGLang's stock path (the assertion's negative control) at the
+  smallest layouts (2 ranks TP2 SP, one engine TP1), prompts of 1 to 300 tokens: the run stops
+  at step 1 naming the first differing token, and `--bisect` names the layer and op;
 - `learning`: colocated engines on 4 trainer ranks with the tensor transport, 8 steps: the
   reward rises.
 Ctrl-C's teardown and its resume are tested on the dataset config (test_grpo_dataset.py), a
@@ -40,6 +41,8 @@ CONFIG = REPO / "configs" / "tiny-cpu.toml"
 # The stock control at the prompt lengths the exact path is tested at, 1 to a few hundred tokens
 # (stock bf16 SDPA takes another kernel from 64 tokens on).
 STOCK_PROMPTS = ("--set", "task.prompt_min_tokens=1", "--set", "task.prompt_max_tokens=300")
+SMALL = sets("training.world=2", "training.tp=2", "training.pp=1", "training.ep=1",
+             "rollout.engines=1", "rollout.tp=1", "rollout.ep=1")  # fmt: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]  # its runs' fixture included
 
@@ -116,9 +119,8 @@ def test_the_stock_rollout_breaks_the_assertion_at_step_1(tmp_path, compile_cach
     """The negative control: SGLang's own CPU path samples; the trainer's exact log-probs
     differ, and the run stops at step 1 naming the first differing token in hex; `--bisect`
     reruns that sample on both engines with captures and names the first op that differs."""
-    run = _run(tmp_path / "stock", "--bisect", "--set", "grpo.rollout_path=stock",
-               "--set", "grpo.routing_check=false", "--set", "rollout.engines=1",
-               *STOCK_PROMPTS, cache=compile_cache)  # fmt: skip
+    run = _run(tmp_path / "stock", "--bisect", *SMALL, *sets("grpo.rollout_path=stock",
+               "grpo.routing_check=false"), *STOCK_PROMPTS, cache=compile_cache)  # fmt: skip
     assert run.wait() == 1, run.text[-4000:]
     rows = run.metrics()
     assert [r["step"] for r in rows] == [1] and rows[0][ABS_DIFF] > 0, rows
