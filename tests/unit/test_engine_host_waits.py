@@ -118,3 +118,20 @@ def test_nvidia_smi_is_bounded_and_named(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(RuntimeError, match=r"nvidia-smi gave no answer within 1 s"):
         within(30, "gpu_memory_used", gpu_memory_used, timeout=1)
+
+
+def test_teardown_memory_is_held_to_the_use_before_the_run_not_to_zero():
+    """A shared GPU (another tenant's 5000 MiB) passes when the run gave back what it took; a
+    GPU above its use before the run fails, named; without a reading from before, 0 is the
+    rule."""
+    from onpolicy.grpo.e2e import memory_left
+
+    assert memory_left([5000, 0], [5000, 0]) == ""
+    assert memory_left([5000, 300], [4000, 0]) == ""  # the other tenant freed some
+    left = memory_left([5000, 0], [5000, 812])
+    assert left == "[gpu_memory] GPU memory above its use before the run: GPU 1 812 MiB (before 0)"
+    assert memory_left(None, [0, 0]) == ""
+    assert (
+        memory_left(None, [0, 2])
+        == "[gpu_memory] GPU memory not back to 0 MiB: GPU 1 2 MiB (before 0)"
+    )

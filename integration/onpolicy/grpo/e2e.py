@@ -91,6 +91,12 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         print(msg, file=console, flush=True)
 
     total = steps if steps is not None else e.grpo.steps
+    before = None
+    if e.cfg.device == "cuda":  # teardown must give back what the run took, not all of it
+        try:
+            before = gpu_memory_used()
+        except RuntimeError as err:
+            say(f"onpolicy e2e: GPU memory before the run not known: {err}")
     driver = Driver(e, resume=resume, last_step=total, log=say, run_id=run_id)
     logger, rows, code, graceful = None, [], 0, True
     t0 = time.perf_counter()
@@ -150,8 +156,11 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
             say(f"onpolicy e2e: GPU memory after teardown not known: {err}")
             code = code or 3
         else:
-            say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}")
-            if any(used):
+            problem = memory_left(before, used)
+            say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}; before the run: "
+                f"{before if before is not None else 'not known'}" +
+                (f"; {problem}" if problem else ""))  # fmt: skip
+            if problem:
                 code = code or 3
     wall = time.perf_counter() - t0
     if driver.owns_out:  # a run refused at its folder writes nothing there
@@ -163,6 +172,20 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         say(f"onpolicy e2e: teardown {driver.times['teardown_s']:.1f} s")
     say(f"onpolicy e2e: {'done' if code == 0 else f'stopped (exit {code})'} in {wall:.1f} s")
     return code
+
+
+def memory_left(before: list[int] | None, after: list[int]) -> str:
+    """What the run left on the GPUs: "" when every GPU uses no more than before the run, else
+    the rule and the GPUs above it. Without a reading from before (nvidia-smi failed then),
+    the run must leave them at 0 MiB. Another process on a shared GPU may have taken memory
+    meanwhile; the message names the numbers so that can be told apart."""
+    base = before if before is not None and len(before) == len(after) else [0] * len(after)
+    over = [(i, a, b) for i, (a, b) in enumerate(zip(after, base, strict=True)) if a > b]
+    if not over:
+        return ""
+    rule = "above its use before the run" if before is not None else "not back to 0 MiB"
+    return "[gpu_memory] GPU memory " + rule + ": " + ", ".join(
+        f"GPU {i} {a} MiB (before {b})" for i, a, b in over)  # fmt: skip
 
 
 def gpu_memory_used(timeout: float = 60.0) -> list[int]:
