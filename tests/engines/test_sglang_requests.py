@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -33,8 +32,6 @@ NEW = 8
 """Tokens sampled per request."""
 LEAVE_GIB = 3.0
 """Available memory the neighbour leaves while the exact engine starts."""
-RAMP_S = 0.0
-"""Seconds over which the neighbour takes its memory: at once (it then holds it)."""
 VOCAB = 1000
 """A vocabulary size for the unit checks (larger than every top_k below)."""
 
@@ -82,30 +79,19 @@ def engine(tiny_checkpoint, tmp_path_factory, compile_cache):
         # CPU engine's KV pool is sized in tokens, so its start does not depend on it. (At
         # SGLang's mem_fraction_static 0.05 this start fails: "Loaded weights leave no GPU
         # memory".) The worker starts once the neighbour holds it all.
-        take = (neighbour_taking_memory(LEAVE_GIB, RAMP_S, wait=True) if not stock
-                else contextlib.nullcontext())  # fmt: skip
-        with take as neighbour, (tmp / "stderr.txt").open("w+") as err:
+        take = neighbour_taking_memory(LEAVE_GIB) if not stock else contextlib.nullcontext()
+        with take as neighbour:
             if neighbour is not None:  # it holds what it took, resident, as the worker starts
                 pid, hold = neighbour
                 held = psutil.Process(pid).memory_info().rss
                 assert hold > 4 * GiB and held > 0.95 * hold, (hold / GiB, held / GiB)
-            p = subprocess.Popen(cmd, env=_env(compile_cache), stdout=subprocess.DEVNULL,
-                                 stderr=err, text=True)  # fmt: skip
-            # The least memory available while the worker ran (after it exits, its own memory
-            # and what other processes freed meanwhile are available again).
-            left, deadline = float("inf"), time.monotonic() + 900
-            while p.poll() is None and time.monotonic() < deadline:
-                left = min(left, psutil.virtual_memory().available / GiB)
-                time.sleep(0.5)
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            err.seek(0)
-            stderr = err.read()
+            p = subprocess.run(
+                cmd, env=_env(compile_cache), capture_output=True, text=True, timeout=900
+            )
         if not stock:
-            print(f"[exact] started while a neighbour took all but {left:.1f} GiB")
+            print(f"[exact] started while a neighbour held {held / GiB:.1f} GiB")
         if p.returncode != 0:
-            pytest.fail(f"SGLang requests worker exited {p.returncode}\n{stderr[-8000:]}")
+            pytest.fail(f"SGLang requests worker exited {p.returncode}\n{p.stderr[-8000:]}")
         res = json.loads(out.read_text())
         print(f"[{'stock' if stock else 'exact'}] engine start {res['start_seconds']:.1f} s, "
               f"total {res['seconds']:.1f} s ({res['sglang']})")  # fmt: skip

@@ -179,11 +179,12 @@ def memory_left(before: list[int] | None, after: list[int]) -> str:
     the rule and the GPUs above it. Without a reading from before (nvidia-smi failed then),
     the run must leave them at 0 MiB. Another process on a shared GPU may have taken memory
     meanwhile; the message names the numbers so that can be told apart."""
-    base = before if before is not None and len(before) == len(after) else [0] * len(after)
+    known = before is not None and len(before) == len(after)
+    base = before if known else [0] * len(after)
     over = [(i, a, b) for i, (a, b) in enumerate(zip(after, base, strict=True)) if a > b]
     if not over:
         return ""
-    rule = "above its use before the run" if before is not None else "not back to 0 MiB"
+    rule = "above its use before the run" if known else "not back to 0 MiB"
     return "[gpu_memory] GPU memory " + rule + ": " + ", ".join(
         f"GPU {i} {a} MiB (before {b})" for i, a, b in over)  # fmt: skip
 
