@@ -139,8 +139,8 @@ def bench(session: nox.Session) -> None:
     collectives, the training-step time of the exact vs the local spec, the rollout tokens/s
     of the exact vs the stock engine, the time and bytes of a weight sync and the tiny GRPO
     run's wall time per phase; with `-- --gpu`
-    (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch and the full-size prefill ==
-    decode check instead."""
+    (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch, the full-size prefill ==
+    decode check and the exact vs the stock engine's rollout tokens/s on CUDA instead."""
     if "--gpu" in session.posargs:
         args = [a for a in session.posargs if a != "--gpu"]
         session.install("torch", "triton", "numpy", "safetensors")
@@ -148,6 +148,9 @@ def bench(session: nox.Session) -> None:
         out = ["--out", str(ROOT / "docs/benchmarks.md")]
         session.run("python", "-m", "onpolicy.bench.kernels", *out, *args)
         session.run("python", "-m", "onpolicy.bench.fullsize", "--native", *out)
+        _install(session, gpu=True)  # the rollout bench runs the patched SGLang on CUDA
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        session.run("python", "-m", "onpolicy.bench.rollout_gpu", *out, env=env)
         return
     session.install(TORCH_CPU)
     session.install("-c", str(TORCH_CONSTRAINT), "numpy")
