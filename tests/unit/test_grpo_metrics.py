@@ -19,7 +19,8 @@ from onpolicy.grpo.metrics import MetricsLogger, format_line, read_metrics
 FULL = {
     M.ABS_DIFF: 0.0, M.KL: 0.0, M.REWARD_MEAN: 0.4123, M.REWARD_STD: 0.1178,
     M.RESPONSE_LEN: 12.34, M.GRAD_NORM: 0.037712, M.WEIGHT_VERSION: 3, M.TIME_ROLLOUT: 4.06,
-    M.TIME_TRAIN: 2.01, M.TIME_SYNC: 0.29, "train/bitwise_equal_frac": 1.0, "note": "x",
+    M.TIME_SCORE: 0.52, M.TIME_TRAIN: 2.01, M.TIME_SYNC: 0.29, "train/bitwise_equal_frac": 1.0,
+    "note": "x",
 }  # fmt: skip
 
 
@@ -41,7 +42,7 @@ def step_metrics(step: int) -> dict:
 def test_format_line_full():
     assert format_line(3, 10, FULL) == (
         "step 3/10 | abs_diff 0.0 | kl 0.0 | reward 0.41±0.12 | len 12.3 | grad_norm 0.03771 | "
-        "v3 | rollout 4.1s train 2.0s sync 0.3s"
+        "v3 | rollout 4.1s score 0.5s train 2.0s sync 0.3s"
     )
 
 

@@ -29,8 +29,10 @@ import math
 import os
 import secrets
 import shutil
+import subprocess
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from onpolicy.grpo.cluster import Cluster, RunError
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.evaluation import eval_due, eval_metrics
 from onpolicy.grpo.filtering import fill, select_groups
+from onpolicy.grpo.memory import GpuReader, PhasePeaks, run_pss_mib
 from onpolicy.grpo.procs import RUN_ID_ENV
 from onpolicy.grpo.rewards import RewardError, reward_metrics
 from onpolicy.grpo.tasks import Task, TaskContext, make_task
@@ -113,6 +116,10 @@ class Driver:
         """The run's last step (it evaluates after it)."""
         self.times = self.cluster.times
         """Setup, Ray start, slowest trainer setup and teardown seconds (times.json)."""
+        self.run_id = run_id
+        self.peaks: PhasePeaks | None = None
+        """The run's memory per phase of a step (`memory`), sampled from setup to teardown."""
+        self._gpu_reader: GpuReader | None = None
 
     @property
     def trainers(self) -> list[Any]:
@@ -150,6 +157,7 @@ class Driver:
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self.ckpt = checkpoint(self.e.cfg, self.out)
         self._make_task()  # every problem with the data is refused here, before Ray starts
+        self._start_peaks()
         self.engine_info = self.cluster.start(self.ckpt, self.resume_from)
         write_atomic(self.out / "actors.json", json.dumps(self.cluster.pids, indent=1) + "\n")
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
@@ -159,6 +167,20 @@ class Driver:
             self._all(self.trainers, "trainer rank", "sync_weights", str(self.start_step),
                       self.e.grpo.verify_weights)  # fmt: skip
         self.times["setup_s"] = time.perf_counter() - t0
+
+    def _start_peaks(self) -> None:
+        if self.e.cfg.device == "cuda":
+            try:
+                self._gpu_reader = GpuReader()
+            except (OSError, subprocess.SubprocessError) as err:  # the run goes on without them
+                self.log(f"onpolicy e2e: GPU memory per phase not recorded: nvidia-smi: {err}")
+                return
+            self.peaks = PhasePeaks(self._gpu_reader)
+        else:
+            self.peaks = PhasePeaks(lambda: run_pss_mib(self.run_id))
+
+    def _phase(self, name: str):
+        return self.peaks.phase(name) if self.peaks is not None else nullcontext()
 
     def _resume_point(self) -> None:
         """Where `--resume` continues: `latest`, checked (exit 2 if unreadable, missing or not
@@ -335,7 +357,8 @@ class Driver:
         g = self.e.grpo
         t0 = time.perf_counter()
         self._dropped: list[dict] = []
-        samples, filtered = self.rollout(step)
+        with self._phase("rollout"):
+            samples, filtered = self.rollout(step)
         t_rollout = time.perf_counter() - t0
         self._save_samples(f"step_{step:07d}", samples + self._dropped)
         rewards = [s["reward"] for s in samples]
@@ -343,7 +366,8 @@ class Driver:
         seqs = [s["prompt"] + s["output_ids"] for s in samples]
 
         t1 = time.perf_counter()
-        scored = self._all(self.trainers, "trainer rank", "score", seqs, g.routing_check)[0]
+        with self._phase("score"):
+            scored = self._all(self.trainers, "trainer rank", "score", seqs, g.routing_check)[0]
         t_score = time.perf_counter() - t1
         metrics: dict[str, Any] = logprob_metrics(samples, scored["logprobs"])
         versions = {s["weight_version"] for s in samples}
@@ -362,21 +386,31 @@ class Driver:
                 step=step, mismatch=result.first, samples=samples, metrics=metrics,
             )  # fmt: skip
 
+        t_release = t_resume = 0.0
         if self._release:
-            self._all(self.engines, "engine", "release_memory")
+            t = time.perf_counter()
+            with self._phase("release"):
+                self._all(self.engines, "engine", "release_memory")
+            t_release = time.perf_counter() - t
         batch = {
             "sequences": seqs,
             "response_starts": [len(s["prompt"]) for s in samples],
             "rollout_logprobs": [s["logprobs"] for s in samples],
             "advantages": adv,
         }
-        trained = self._all(self.trainers, "trainer rank", "train", batch)[0]
-        t_train = time.perf_counter() - t1
+        t = time.perf_counter()
+        with self._phase("train"):
+            trained = self._all(self.trainers, "trainer rank", "train", batch)[0]
+        t_train = time.perf_counter() - t
         if self._release:
-            self._all(self.engines, "engine", "resume_memory")
+            t = time.perf_counter()
+            with self._phase("resume"):
+                self._all(self.engines, "engine", "resume_memory")
+            t_resume = time.perf_counter() - t
         t2 = time.perf_counter()
-        synced = self._all(self.trainers, "trainer rank", "sync_weights", str(step),
-                           g.verify_weights)[0]  # fmt: skip
+        with self._phase("sync"):
+            synced = self._all(self.trainers, "trainer rank", "sync_weights", str(step),
+                               g.verify_weights)[0]  # fmt: skip
         t_sync = time.perf_counter() - t2
         lengths = [len(s["output_ids"]) for s in samples]
         metrics |= filtered | reward_metrics([s["reward_metrics"] for s in samples])
@@ -398,7 +432,14 @@ class Driver:
             "sync/bytes": synced["bytes"], "sync/verified_boxes": synced["verified_boxes"],
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/train_s": t_train,
             "time/sync_s": t_sync,
+            # generated tokens over the rollout's wall time; trained tokens over train's
+            "perf/rollout_tokens_per_s": sum(lengths) / t_rollout,
+            "perf/train_tokens_per_s": trained["num_tokens"] / t_train,
         }  # fmt: skip
+        if self._release:
+            metrics |= {"time/release_s": t_release, "time/resume_s": t_resume}
+        if self.peaks is not None:
+            metrics |= {f"memory/{k}_peak_mib": v for k, v in self.peaks.take().items()}
         v = self.e.eval
         evals = self._dataset and self.task.eval is not None
         if evals and eval_due(step, self.last_step, v.every):
@@ -472,6 +513,10 @@ class Driver:
     def teardown(self, graceful: bool = True) -> list[str]:
         """Stop every actor and the local Ray head; the processes of the run that had to be
         killed, named (see `Cluster.teardown`)."""
+        if self.peaks is not None:
+            self.peaks.close()
+        if self._gpu_reader is not None:
+            self._gpu_reader.close()
         if self.task is not None:
             self.task.close()  # the reward pool's processes carry the run's id too
         return self.cluster.teardown(graceful)

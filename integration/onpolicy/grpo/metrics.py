@@ -69,8 +69,10 @@ WEIGHT_VERSION = "weight_version"
 """Weight version the step's rollout was generated with."""
 TIME_ROLLOUT = "time/rollout_s"
 """Seconds spent generating."""
+TIME_SCORE = "time/score_s"
+"""Seconds spent in the trainer's log-probs of the rollout."""
 TIME_TRAIN = "time/train_s"
-"""Seconds spent in trainer log-probs and the update."""
+"""Seconds spent in the update."""
 TIME_SYNC = "time/sync_s"
 """Seconds spent syncing weights to the engines."""
 
@@ -106,7 +108,8 @@ def format_line(step: int, total: int, metrics: Metrics) -> str:
         parts.append(f"grad_norm {_num(m[GRAD_NORM])}")
     if WEIGHT_VERSION in m:
         parts.append(f"v{m[WEIGHT_VERSION]}")
-    phases = (("rollout", TIME_ROLLOUT), ("train", TIME_TRAIN), ("sync", TIME_SYNC))
+    phases = (("rollout", TIME_ROLLOUT), ("score", TIME_SCORE), ("train", TIME_TRAIN),
+              ("sync", TIME_SYNC))  # fmt: skip
     times = [f"{label} {float(m[key]):.1f}s" for label, key in phases if key in m]
     if times:
         parts.append(" ".join(times))

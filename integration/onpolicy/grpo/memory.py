@@ -1,0 +1,117 @@
+"""The run's peak memory in each phase of a step, sampled while the driver names the phase.
+
+On CUDA the reading is the memory in use on the host's GPUs, all processes included (one
+`nvidia-smi --loop-ms` process streams it), so an engine's pool and a trainer's tensors both
+count; on CPU it is the proportional set size (Pss) of every process of the run, summed. A phase
+shorter than the sampling interval still gets the readings at its start and its end.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from onpolicy.grpo.procs import run_processes
+
+INTERVAL_S = 0.2
+"""Seconds between readings."""
+
+
+def run_pss_mib(run_id: str) -> int:
+    """The summed proportional set size of the run's processes, in MiB (shared pages are split
+    among the processes that share them, so the sum is what the run holds)."""
+    kib = 0
+    for pid in run_processes(run_id):
+        try:
+            text = (Path("/proc") / str(pid) / "smaps_rollup").read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for line in text.splitlines():
+            if line.startswith("Pss:"):
+                kib += int(line.split()[1])
+                break
+    return kib // 1024
+
+
+class GpuReader:
+    """The latest total of `nvidia-smi`'s memory.used over the host's GPUs, in MiB, streamed by one
+    `nvidia-smi --loop-ms` process (started here, stopped by `close`)."""
+
+    def __init__(self, interval_s: float = INTERVAL_S):
+        cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+               f"--loop-ms={max(1, int(interval_s * 1000))}"]  # fmt: skip
+        self._p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True)  # fmt: skip
+        self._gpus = len(subprocess.run(cmd[:3], capture_output=True, text=True, timeout=60,
+                                        check=True).stdout.split())  # fmt: skip
+        self.latest = 0
+        self._t = threading.Thread(target=self._read, name="gpu-memory", daemon=True)
+        self._t.start()
+
+    def _read(self) -> None:
+        batch: list[int] = []
+        for line in self._p.stdout:  # one line per GPU per reading
+            try:
+                batch.append(int(line.strip()))
+            except ValueError:
+                continue
+            if len(batch) == self._gpus:
+                self.latest, batch = sum(batch), []
+
+    def __call__(self) -> int:
+        return self.latest
+
+    def close(self) -> None:
+        self._p.kill()
+        self._p.wait()
+
+
+class PhasePeaks:
+    """Peak readings of `probe` (MiB) per named phase: `with peaks.phase("train"): ...`, then
+    `take()` gives {phase: peak} of the phases since the last take."""
+
+    def __init__(self, probe: Callable[[], int], interval_s: float = INTERVAL_S):
+        self._probe, self._interval = probe, interval_s
+        self._phase: str | None = None
+        self._peaks: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, name="phase-peaks", daemon=True)
+        self._t.start()
+
+    def _read(self) -> None:
+        value = self._probe()
+        with self._lock:
+            if self._phase is not None:
+                self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), value)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._read()
+            except Exception:  # a failed reading loses one sample, never the run
+                continue
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with self._lock:
+            self._phase = name
+        self._read()
+        try:
+            yield
+        finally:
+            self._read()
+            with self._lock:
+                self._phase = None
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            out, self._peaks = self._peaks, {}
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join()

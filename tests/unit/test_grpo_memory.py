@@ -1,0 +1,69 @@
+"""The run's peak memory per phase (onpolicy.grpo.memory): the phase's highest reading, the
+readings at a short phase's start and end, and the run's summed Pss from its processes alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from onpolicy.grpo.memory import PhasePeaks, run_pss_mib
+from onpolicy.grpo.procs import RUN_ID_ENV
+
+
+def test_each_phase_keeps_its_highest_reading():
+    value = {"v": 10}
+    peaks = PhasePeaks(lambda: value["v"], interval_s=0.01)
+    try:
+        with peaks.phase("rollout"):
+            value["v"] = 500  # up and down inside the phase: the sampler sees the peak
+            time.sleep(0.2)
+            value["v"] = 20
+            time.sleep(0.05)
+        value["v"] = 9000  # between phases: counted nowhere
+        time.sleep(0.1)
+        value["v"] = 30
+        with peaks.phase("train"):
+            time.sleep(0.05)
+        got = peaks.take()
+    finally:
+        peaks.close()
+    assert got == {"rollout": 500, "train": 30}, got
+
+
+def test_a_phase_shorter_than_the_interval_gets_its_start_and_end_readings():
+    seen = []
+    lock = threading.Lock()
+
+    def probe() -> int:
+        with lock:
+            seen.append(1)
+            return 100 * len(seen)
+
+    peaks = PhasePeaks(probe, interval_s=60.0)  # the sampler never fires in this test
+    try:
+        with peaks.phase("sync"):
+            pass
+        got = peaks.take()
+        assert peaks.take() == {}  # take empties
+    finally:
+        peaks.close()
+    assert len(seen) == 2 and got == {"sync": 200}, (seen, got)
+
+
+def test_the_runs_pss_counts_its_processes_and_no_others():
+    code = "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); print('held', flush=True)"
+    code += "; import time; time.sleep(60)"
+    env = {**os.environ, RUN_ID_ENV: "memory-test-run"}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        ours = run_pss_mib("memory-test-run")
+        other = run_pss_mib("another-run")
+    finally:
+        p.kill()
+        p.wait()
+    assert ours >= 300, ours
+    assert other == 0, other
