@@ -14,6 +14,7 @@ nox -s convert -- ...        `onpolicy convert`: HF <-> Megatron torch-dist chec
 nox -s e2e                   the GRPO loop on configs/tiny-cpu.toml (`-- --config FILE ...`)
 nox -s gpu-wheels            the offline GPU host's cp312 wheels, in parts (docs/gpu-host.md)
 nox -s gpu-wheels -- --lean  and the one-call bundle of what the host lacks (build/gpu-lean/)
+                             and the GRPO loop's parts (build/gpu-loop/)
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def gpu_wheels(session: nox.Session) -> None:
     in build/wheels-cp312/part-NN/ folders of <= 60 MiB with a sha256 manifest; skipped when
     the requirements and pins are unchanged. `-- --cap-mib N` sets the part size. `-- --lean`
     then also builds build/gpu-lean/: one folder for one call (gpu-host-lean.txt's wheels, the
-    patched engines as tarballs)."""
+    patched engines as tarballs) and build/gpu-loop/ (Ray and torch-memory-saver, in parts)."""
     lean = "--lean" in session.posargs
     args = [a for a in session.posargs if a != "--lean"]
     session.install("pip", "packaging")  # pip download for another Python; marker evaluation
@@ -217,3 +218,5 @@ def gpu_wheels(session: nox.Session) -> None:
     if lean:
         _tool(session, "onpolicy.upstream.gpu_lean", "build", "--wheels",
               str(ROOT / "build/wheels-cp312"), "--out", str(ROOT / "build/gpu-lean"))  # fmt: skip
+        _tool(session, "onpolicy.upstream.gpu_lean", "build-loop", "--wheels",
+              str(ROOT / "build/wheels-cp312"), "--out", str(ROOT / "build/gpu-loop"))  # fmt: skip

@@ -345,3 +345,40 @@ def test_install_lean_fills_the_target_from_the_checked_bundle(tmp_path, monkeyp
     assert path == f"{site}:{tmp_path / 'integration'}" and imports == {"pythonpath": path}
     gpu_lean.install(tmp_path, bundle, site)  # a folder it filled itself is replaced
     assert (site / gpu_lean.INSTALLED).is_file()
+
+
+# The GRPO loop's parts (gpu_lean build-loop / install-loop): Ray and torch-memory-saver.
+
+
+def test_the_loop_list_pins_ray_torch_memory_saver_and_nothing_the_lean_bundle_carries():
+    loop = gpu_lean.read_lean(gpu_lean.LOOP)  # every line equal to its requirements pin
+    for needed in ("ray", "torch-memory-saver", "msgpack", "protobuf", "click"):
+        assert needed in loop, f"{needed} left out of the loop list"
+    both = sorted(set(loop) & set(gpu_lean.read_lean()))
+    assert not both, f"in the lean and the loop lists: {both}"
+    for unneeded in ("torch", "triton", "wandb", "pyarrow"):
+        assert unneeded not in loop, f"{unneeded} is in the loop list"
+
+
+def test_install_loop_refuses_a_missing_part_or_a_changed_piece_before_pip_runs(
+    tmp_path, monkeypatch
+):
+    files = fake_files(tmp_path / "in", {"ray": 2500, "msgpack": 300})
+    manifest = parts.bundle(files, tmp_path / "loop", cap=1000)
+    ran = []
+    monkeypatch.setattr(gpu_wheels, "_run", ran.append)
+    ray = next(i for i in parts.items(manifest) if i.name == "ray")
+    assert len(ray.pieces) == 3  # over the cap: cut into pieces, a part each
+    last = parts.part_dir(tmp_path / "loop", ray.pieces[-1].part) / ray.pieces[-1].file
+    data = bytearray(last.read_bytes())
+    data[0] ^= 1
+    last.write_bytes(bytes(data))
+    with pytest.raises(UpstreamError, match="sha256 mismatch") as e:
+        gpu_lean.install_loop(tmp_path / "loop", tmp_path / "site")
+    assert last.name in str(e.value), e.value
+    for f in last.parent.iterdir():
+        f.unlink()
+    last.parent.rmdir()
+    with pytest.raises(UpstreamError, match=rf"parts \[{ray.pieces[-1].part}\] of"):
+        gpu_lean.install_loop(tmp_path / "loop", tmp_path / "site")
+    assert ran == [] and not (tmp_path / "site").exists()

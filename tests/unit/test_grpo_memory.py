@@ -67,3 +67,25 @@ def test_the_runs_pss_counts_its_processes_and_no_others():
         p.wait()
     assert ours >= 300, ours
     assert other == 0, other
+
+
+def test_a_colocated_cuda_run_needs_torch_memory_saver_and_names_the_rule():
+    import importlib.util
+    from pathlib import Path
+
+    from onpolicy.contract import load_config
+    from onpolicy.grpo.cluster import memory_saver_problem
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    one_gpu = load_config(configs / "one-gpu.toml")
+    assert one_gpu.device == "cuda" and one_gpu.rollout.colocate
+    problem = memory_saver_problem(one_gpu)
+    if importlib.util.find_spec("torch_memory_saver") is None:  # this Python cannot release
+        assert problem.startswith("[memory_saver] rollout.colocate = true on CUDA"), problem
+        assert "torch-memory-saver==0.0.10" in problem and "install-loop" in problem, problem
+    else:
+        assert problem == ""
+    # Nothing to release: not colocated, or on CPU.
+    apart = load_config(configs / "one-gpu.toml", {"rollout.colocate": False})
+    assert memory_saver_problem(apart) == ""
+    assert memory_saver_problem(load_config(configs / "tiny-cpu.toml")) == ""

@@ -59,6 +59,9 @@ class EngineSpec:
     "tensor" transport's file-descriptor handles are fetched with it."""
     mem_fraction: float = 0.5
     """SGLang's mem_fraction_static (`GRPOConfig.engine_mem_fraction`)."""
+    memory_saver: bool = False
+    """SGLang's enable_memory_saver (colocated on CUDA): `release_memory` then frees the weights
+    and KV cache through torch-memory-saver; without it the release keeps them resident."""
 
 
 class RolloutActor:
@@ -85,6 +88,8 @@ class RolloutActor:
             extra["return_routed_experts"] = True
         if s.device == "cuda":
             extra["base_gpu_id"] = s.base_gpu_id
+        if s.memory_saver:
+            extra["enable_memory_saver"] = True
         self.service = EngineService(s.ckpt, tp=s.tp, ep=s.ep, dtype=s.dtype, exact=s.exact,
                                      name=self.name, **extra)  # fmt: skip
         return self.service.info() | {"name": self.name}

@@ -160,7 +160,8 @@ class Cluster:
                             routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,
                             top_k=c.shape.num_experts_per_tok,
                             base_gpu_id=bundle if cuda else 0, authkey=self.authkey,
-                            mem_fraction=e.grpo.engine_mem_fraction)  # fmt: skip
+                            mem_fraction=e.grpo.engine_mem_fraction,
+                            memory_saver=cuda and r.colocate)  # fmt: skip
             a = Rollout.options(runtime_env={"env_vars": env}, **at(bundle, share)).remote(es)
             self.engines.append(a)
             self.actors.append((f"engine{i}", a))
@@ -283,3 +284,20 @@ def _cause(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     keep = [ln for ln in text if ln.strip()][:6]
     return " | ".join(keep)[:800]
+
+
+def memory_saver_problem(cfg) -> str:
+    """Why this Python cannot release a colocated CUDA engine's memory while the trainer trains
+    ("" when it can, or when nothing is colocated on CUDA): SGLang frees the weights and KV
+    cache through torch-memory-saver, which the engine's process imports."""
+    import importlib.util
+
+    if cfg.device != "cuda" or not cfg.rollout.colocate:
+        return ""
+    if importlib.util.find_spec("torch_memory_saver") is not None:
+        return ""
+    return ("[memory_saver] rollout.colocate = true on CUDA: the engine releases its weights and "
+            "KV cache while the trainer trains, through torch-memory-saver, which this Python "
+            "cannot import; install it (`pip install torch-memory-saver==0.0.10`, or on an "
+            "offline GPU host `python -m onpolicy.upstream.gpu_lean install-loop`, "
+            "docs/gpu-host.md)")  # fmt: skip

@@ -44,7 +44,7 @@ from onpolicy.contract import ContractError
 from onpolicy.contract import model_checkpoint as checkpoint
 from onpolicy.fsutil import LOCK_NAME, FolderLocked, lock_folder, write_atomic
 from onpolicy.grpo.advantages import group_advantages
-from onpolicy.grpo.cluster import Cluster, RunError
+from onpolicy.grpo.cluster import Cluster, RunError, memory_saver_problem
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.evaluation import eval_due, eval_metrics
 from onpolicy.grpo.filtering import fill, select_groups
@@ -154,6 +154,9 @@ class Driver:
             except RunError:
                 self.release()  # refused before any write: the folder keeps no trace of it
                 raise
+        problem = memory_saver_problem(self.e.cfg)  # before the run writes anything
+        if problem:
+            raise RunError(problem, 2)
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self.ckpt = checkpoint(self.e.cfg, self.out)
         self._make_task()  # every problem with the data is refused here, before Ray starts

@@ -13,6 +13,9 @@ own packages, in one folder that fits one call (64 MiB, the working tree include
 - `install` (the GPU host): checks every sha256 first, then `pip install --target` of the
   wheels and the two tar extractions into one folder, prints the PYTHONPATH to export and imports
   sglang, megatron.core and onpolicy in a fresh interpreter.
+- `build-loop` / `install-loop`: what the GRPO loop adds (gpu-host-loop.txt: Ray and its
+  requirements, torch-memory-saver), in parts of at most LIMIT (Ray's wheel alone is over one
+  call, so it travels in two pieces), installed into a folder of its own.
 
 docs/gpu-host.md has the steps.
 """
@@ -28,6 +31,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tarfile
 import zipfile
@@ -39,6 +43,7 @@ from onpolicy.upstream.errors import UpstreamError
 from onpolicy.upstream.pins import sha256_of
 
 LEAN = Path(__file__).with_name("gpu-host-lean.txt")
+LOOP = Path(__file__).with_name("gpu-host-loop.txt")
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB
 """What one call to the GPU host carries, the working tree included."""
@@ -268,6 +273,63 @@ def install(root: Path, bundle: Path, target: Path) -> str:
     return pythonpath
 
 
+def build_loop(wheels: Path, out: Path, *, limit: int = LIMIT) -> dict:
+    """gpu-host-loop.txt's wheels from the download's parts in `wheels`, re-cut into parts of at
+    most `limit` bytes in `out` (part-NN/, each with the manifest)."""
+    loop = read_lean(LOOP)
+    items = {i.name: i for i in parts.items(parts.load_manifest(wheels)) if i.series is None}
+    absent = [f"{n}=={v}" for n, v in loop.items() if n not in items or items[n].version != v]
+    if absent:
+        raise UpstreamError(f"not in {wheels}'s manifest: {absent}; run `nox -s gpu-wheels`")
+    chosen = [items[n] for n in loop]
+    found = parts.verify(wheels, chosen)  # sha256, before any work
+    _replaceable_parts(out)
+    staging = out.parent / f".{out.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    whole = staging / "whole"
+    files = [(parts.joined(found[i.file], whole / i.file), i.name, i.version, None)
+             for i in chosen]  # fmt: skip
+    manifest = parts.bundle(files, staging, cap=limit, inputs=sha256_of(LOOP))
+    shutil.rmtree(whole)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(staging, out)
+    print(parts.summary(manifest))
+    return manifest
+
+
+def _replaceable_parts(out: Path) -> None:
+    if out.exists() and any(out.iterdir()) and not (out / parts.MANIFEST).is_file():
+        raise UpstreamError(f"{out} holds files this tool did not write; choose another path")
+
+
+def install_loop(bundle: Path, target: Path) -> None:
+    """Check every part of the loop bundle (all must be here), join Ray's pieces, `pip install
+    --target` the wheels, and import ray and torch_memory_saver with it on the path."""
+    manifest = parts.load_manifest(bundle)
+    missing = [k for k in range(1, manifest["parts"] + 1) if not parts.part_dir(bundle, k).is_dir()]
+    if missing:
+        raise UpstreamError(f"parts {missing} of {manifest['parts']} are not in {bundle}; "
+                            "carry each part-NN/ (a warm host keeps the earlier ones)")  # fmt: skip
+    found = parts.verify(bundle, parts.items(manifest))  # every sha256 before anything is written
+    paths = [str(parts.joined(ps, bundle / "joined" / f)) for f, ps in found.items()]
+    _replaceable(target)
+    staging = target.parent / f".{target.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--target", str(staging)]  # fmt: skip
+    gpu_wheels._run([*pip, *paths])
+    (staging / INSTALLED).write_text(f"{manifest['inputs']}\n")
+    _replace(target, staging)
+    shutil.rmtree(bundle / "joined", ignore_errors=True)
+    print(f"{target}: {len(paths)} wheels; add it to PYTHONPATH after the lean bundle's folder")
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(target)) if p)
+    code = "import ray, torch_memory_saver; print('imported ray', ray.__version__)"
+    env = {**os.environ, "PYTHONPATH": path}
+    if subprocess.run([sys.executable, "-c", code], env=env).returncode:
+        raise UpstreamError(f"ray or torch_memory_saver does not import with PYTHONPATH={path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m onpolicy.upstream.gpu_lean",
                                  description=__doc__.splitlines()[0])  # fmt: skip
@@ -279,12 +341,24 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("install", help="GPU host: check the lean bundle, install, import")
     p.add_argument("--bundle", type=Path, default=None, help="default: build/gpu-lean")
     p.add_argument("--target", type=Path, default=None, help="default: build/gpu-site")
+    p = sub.add_parser("build-loop", help="networked machine: the GRPO loop's parts")
+    p.add_argument("--wheels", type=Path, default=None, help="default: build/wheels-cp312")
+    p.add_argument("--out", type=Path, default=None, help="default: build/gpu-loop")
+    p = sub.add_parser("install-loop", help="GPU host: check the loop's parts, install, import")
+    p.add_argument("--bundle", type=Path, default=None, help="default: build/gpu-loop")
+    p.add_argument("--target", type=Path, default=None, help="default: build/gpu-site-loop")
     args = ap.parse_args(argv)
     try:
         root = args.root.resolve() if args.root else find_root()
         if args.cmd == "build":
             wheels = (args.wheels or root / "build" / "wheels-cp312").resolve()
             build(root, wheels, (args.out or root / "build" / "gpu-lean").resolve())
+        elif args.cmd == "build-loop":
+            wheels = (args.wheels or root / "build" / "wheels-cp312").resolve()
+            build_loop(wheels, (args.out or root / "build" / "gpu-loop").resolve())
+        elif args.cmd == "install-loop":
+            bundle = (args.bundle or root / "build" / "gpu-loop").resolve()
+            install_loop(bundle, (args.target or root / "build" / "gpu-site-loop").resolve())
         else:
             bundle = (args.bundle or root / "build" / "gpu-lean").resolve()
             install(root, bundle, (args.target or root / "build" / "gpu-site").resolve())
