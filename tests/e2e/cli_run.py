@@ -162,9 +162,14 @@ class Run:
         assert not left, f"processes of the run left after exit: {left}\n{self.text[-3000:]}"
 
 
+MEASURED = ("time/", "perf/", "memory/")
+"""Metrics measured from the machine (wall times, tokens per second, memory peaks): they differ
+between two runs of the same steps."""
+
+
 def steady(row: dict) -> dict:
-    """A step's metrics without the wall times (which differ between runs)."""
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
+    """A step's metrics without the measured ones (MEASURED)."""
+    return {k: v for k, v in row.items() if not k.startswith(MEASURED)}
 
 
 def weights(out: Path, iteration: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,123 @@
+"""`onpolicy e2e --config configs/one-gpu.toml` on one GPU: Megatron at world 1 (NCCL,
+distributed optimizer) and one colocated exact SGLang engine (TP1, decode in CUDA graphs),
+weights synced as CUDA IPC handles, the engine's memory released while the trainer trains.
+
+- `base`: 5 steps; every step's abs_diff, kl and routing mismatch are 0, the synced weights'
+  digests verified; each phase's peak GPU memory is recorded; after the run no process of it is
+  left and the GPU uses no more memory than before it;
+- `stopped` + `resumed`: 2 steps with a checkpoint after each, then `--resume` to step 5: the
+  uninterrupted run's metrics and final weights, bit for bit;
+- `stock`: the rollout on SGLang's stock CUDA path (the negative control) stops at step 1 naming
+  the first differing token in hex, and `--bisect` names a layer and an op;
+- `interrupted`: Ctrl-C after step 1 gives exit 130 and the same clean state.
+
+Each run is the CLI in its own process (tests/e2e/cli_run.py). Needs Ray and torch-memory-saver
+on the host (docs/gpu-host.md: `gpu_lean install-loop`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from cli_run import (  # noqa: E402
+    Run,
+    assert_on_policy,
+    assert_same_weights,
+    sets,
+    steady,
+    stopped_on_error,
+    weights,
+)
+from onpolicy.grpo.e2e import gpu_memory_used  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3000)]
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "one-gpu.toml"
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one-gpu-e2e")
+    before = gpu_memory_used()
+    with stopped_on_error():
+        run = Run(CONFIG, root / "base", *sets("run.checkpoint_every=5"), steps=STEPS,
+                  cache=root / "cache")  # fmt: skip
+        run.wait(timeout=2400)
+    return run, before, gpu_memory_used()
+
+
+def test_every_step_is_on_policy_on_one_gpu(base):
+    run, before, after = base
+    assert run.code == 0, run.text[-5000:]
+    rows = run.metrics()
+    assert_on_policy(rows, STEPS, run.text)
+    for r in rows:
+        assert r["sync/verified_boxes"] > 0 and r["sync/bytes"] > 0, r
+        assert r["time/release_s"] > 0 and r["time/resume_s"] > 0, r  # colocated: released
+        peaks = {k: v for k, v in r.items() if k.startswith("memory/")}
+        assert {f"memory/{p}_peak_mib" for p in ("rollout", "score", "release", "train",
+                                                 "resume", "sync")} <= set(peaks), r  # fmt: skip
+        print(f"step {r['step']}: time/step_s {r['time/step_s']:.1f}, " + ", ".join(
+            f"{k} {v}" for k, v in sorted(peaks.items())))  # fmt: skip
+    assert "GPU memory after teardown" in run.text, run.text[-3000:]
+    assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
+    run.check_clean()
+
+
+def test_a_resume_after_step_2_continues_bit_for_bit(base, tmp_path):
+    run = base[0]
+    assert run.code == 0, run.text[-3000:]
+    with stopped_on_error():
+        stopped = Run(CONFIG, tmp_path / "resumed", *sets("run.checkpoint_every=1"), steps=2,
+                      log="stopped", cache=run.out.parent / "cache")  # fmt: skip
+        assert stopped.wait(timeout=1800) == 0, stopped.text[-4000:]
+        assert stopped.latest() == 2
+        resumed = Run(CONFIG, tmp_path / "resumed", "--resume",
+                      *sets("run.checkpoint_every=5"), steps=STEPS,
+                      cache=run.out.parent / "cache")  # fmt: skip
+        assert resumed.wait(timeout=1800) == 0, resumed.text[-4000:]
+    assert "resumed at step 2" in resumed.text, resumed.text[-3000:]
+    assert [steady(r) for r in resumed.metrics()] == [steady(r) for r in run.metrics()]
+    assert_same_weights(weights(run.out, STEPS), weights(resumed.out, STEPS))
+    resumed.check_clean()
+
+
+def test_the_stock_cuda_rollout_stops_at_step_1_and_bisect_names_the_op(tmp_path):
+    overrides = sets("grpo.rollout_path=stock", "grpo.routing_check=false")
+    with stopped_on_error():
+        run = Run(CONFIG, tmp_path / "stock", "--bisect", *overrides, steps=STEPS,
+                  cache=tmp_path / "cache")  # fmt: skip
+        code = run.wait(timeout=1800)
+    assert code == 1, run.text[-4000:]
+    rows = run.metrics()
+    assert [r["step"] for r in rows] == [1] and rows[0]["train/train_rollout_logprob_abs_diff"] > 0
+    first = json.loads((run.out / "violation.json").read_text())["first_mismatch"]
+    assert first["rollout_hex"] != first["trainer_hex"], first
+    assert f"token id {first['token']}" in run.text and first["rollout_hex"] in run.text
+    bisect = [ln for ln in run.text.splitlines() if ln.startswith("bisect: ")]
+    assert len(bisect) == 1 and f"sample {first['sample']}: first divergence: layer " in bisect[0]
+    assert " position " in bisect[0] and "0x" in bisect[0], bisect
+    print(bisect[0])
+    run.check_clean()
+
+
+def test_ctrl_c_after_step_1_exits_130_and_leaves_nothing(tmp_path):
+    before = gpu_memory_used()
+    with stopped_on_error():
+        run = Run(CONFIG, tmp_path / "interrupted", steps=STEPS, cache=tmp_path / "cache")
+        rows = run.out / "metrics.jsonl"
+        assert run.until(lambda: rows.is_file() and rows.read_text().count("\n") >= 1), run.text
+        run.proc.send_signal(signal.SIGINT)
+        code = run.wait(timeout=600)
+    assert code == 130, run.text[-4000:]
+    after = gpu_memory_used()
+    assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
+    run.check_clean()
+    shutil.rmtree(run.out, ignore_errors=True)
