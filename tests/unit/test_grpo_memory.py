@@ -1,5 +1,6 @@
 """The run's peak memory per phase (onpolicy.grpo.memory): the phase's highest reading, the
-readings at a short phase's start and end, and the run's summed Pss from its processes alone."""
+readings at a short phase's start and end, and the run's summed resident size from its processes
+alone."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import threading
 import time
 
-from onpolicy.grpo.memory import PhasePeaks, run_pss_mib
+from onpolicy.grpo.memory import PhasePeaks, run_rss_mib
 from onpolicy.grpo.procs import RUN_ID_ENV
 
 
@@ -53,15 +54,15 @@ def test_a_phase_shorter_than_the_interval_gets_its_start_and_end_readings():
     assert len(seen) == 2 and got == {"sync": 200}, (seen, got)
 
 
-def test_the_runs_pss_counts_its_processes_and_no_others():
+def test_the_runs_resident_size_counts_its_processes_and_no_others():
     code = "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); print('held', flush=True)"
     code += "; import time; time.sleep(60)"
     env = {**os.environ, RUN_ID_ENV: "memory-test-run"}
     p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "held"
-        ours = run_pss_mib("memory-test-run")
-        other = run_pss_mib("another-run")
+        ours = run_rss_mib("memory-test-run")
+        other = run_rss_mib("another-run")
     finally:
         p.kill()
         p.wait()

@@ -6,8 +6,8 @@ directories: first with an empty compile cache (what a fresh machine pays), then
 the first run left. Each run's setup (Ray, actors, engines), per-step phases (rollout, score,
 release, train, resume, weight sync), tokens per second of the rollout and of the trainer, the
 peak memory of each phase (metrics.jsonl's memory/*: GPU memory in use on CUDA, the run's
-summed Pss on CPU) and teardown come from its times.json and metrics.jsonl. The goal for the
-tiny CPU run: within 5 minutes on the 2-core CPU machine.
+summed resident set size on CPU) and teardown come from its times.json and metrics.jsonl. The
+goal for the tiny CPU run: within 5 minutes on the 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                  "SGLang engines of TP2 EP2, gloo)")  # fmt: skip
 
     date = datetime.date.today().isoformat()
-    memory = "GPU memory in use" if cfg.device == "cuda" else "the run's summed Pss"
+    memory = "GPU memory in use" if cfg.device == "cuda" else "the run's summed resident set size"
     text = "\n".join([
         heading, "",
         f"`python -m onpolicy.bench.e2e --config {Path(args.config).name} --steps {args.steps}` "

@@ -48,7 +48,7 @@ from onpolicy.grpo.cluster import Cluster, RunError, memory_saver_problem
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.evaluation import eval_due, eval_metrics
 from onpolicy.grpo.filtering import fill, select_groups
-from onpolicy.grpo.memory import GpuReader, PhasePeaks, run_pss_mib
+from onpolicy.grpo.memory import GpuReader, PhasePeaks, run_rss_mib
 from onpolicy.grpo.procs import RUN_ID_ENV
 from onpolicy.grpo.rewards import RewardError, reward_metrics
 from onpolicy.grpo.tasks import Task, TaskContext, make_task
@@ -180,7 +180,7 @@ class Driver:
                 return
             self.peaks = PhasePeaks(self._gpu_reader)
         else:
-            self.peaks = PhasePeaks(lambda: run_pss_mib(self.run_id))
+            self.peaks = PhasePeaks(lambda: run_rss_mib(self.run_id))
 
     def _phase(self, name: str):
         return self.peaks.phase(name) if self.peaks is not None else nullcontext()
