@@ -35,7 +35,7 @@ from cli_run import (  # noqa: E402
     stopped_on_error,
     weights,
 )
-from onpolicy.grpo.e2e import gpu_memory_used  # noqa: E402
+from onpolicy.grpo.memory import gpu_memory_used  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3000)]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "one-gpu.toml"

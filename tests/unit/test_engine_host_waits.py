@@ -110,7 +110,7 @@ def test_a_connect_to_a_host_that_never_answers_is_bounded_and_named(tmp_path):
 
 
 def test_nvidia_smi_is_bounded_and_named(tmp_path, monkeypatch):
-    from onpolicy.grpo.e2e import gpu_memory_used
+    from onpolicy.grpo.memory import gpu_memory_used
 
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nexec sleep 60\n")  # a wedged driver

@@ -29,10 +29,10 @@ import math
 import os
 import secrets
 import shutil
-import subprocess
 import time
 import uuid
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,15 +175,21 @@ class Driver:
         if self.e.cfg.device == "cuda":
             try:
                 self._gpu_reader = GpuReader()
-            except (OSError, subprocess.SubprocessError) as err:  # the run goes on without them
-                self.log(f"onpolicy e2e: GPU memory per phase not recorded: nvidia-smi: {err}")
+            except (RuntimeError, OSError) as err:  # the run goes on without them
+                self.log(f"onpolicy e2e: GPU memory per phase not recorded: {err}")
                 return
             self.peaks = PhasePeaks(self._gpu_reader)
         else:
             self.peaks = PhasePeaks(lambda: run_rss_mib(self.run_id))
 
-    def _phase(self, name: str):
-        return self.peaks.phase(name) if self.peaks is not None else nullcontext()
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """One phase of a step: its seconds into `self._seconds` (time/<name>_s) and, sampled
+        meanwhile, its peak memory (memory/<name>_peak_mib)."""
+        t = time.perf_counter()
+        with self.peaks.phase(name) if self.peaks is not None else nullcontext():
+            yield
+        self._seconds[name] = time.perf_counter() - t
 
     def _resume_point(self) -> None:
         """Where `--resume` continues: `latest`, checked (exit 2 if unreadable, missing or not
@@ -360,18 +366,16 @@ class Driver:
         g = self.e.grpo
         t0 = time.perf_counter()
         self._dropped: list[dict] = []
+        self._seconds: dict[str, float] = {}
         with self._phase("rollout"):
             samples, filtered = self.rollout(step)
-        t_rollout = time.perf_counter() - t0
         self._save_samples(f"step_{step:07d}", samples + self._dropped)
         rewards = [s["reward"] for s in samples]
         adv = group_advantages(rewards, g.samples_per_prompt)
         seqs = [s["prompt"] + s["output_ids"] for s in samples]
 
-        t1 = time.perf_counter()
         with self._phase("score"):
             scored = self._all(self.trainers, "trainer rank", "score", seqs, g.routing_check)[0]
-        t_score = time.perf_counter() - t1
         metrics: dict[str, Any] = logprob_metrics(samples, scored["logprobs"])
         versions = {s["weight_version"] for s in samples}
         metrics["rollout/weight_version"] = ",".join(sorted(str(v) for v in versions))
@@ -389,32 +393,23 @@ class Driver:
                 step=step, mismatch=result.first, samples=samples, metrics=metrics,
             )  # fmt: skip
 
-        t_release = t_resume = 0.0
         if self._release:
-            t = time.perf_counter()
             with self._phase("release"):
                 self._all(self.engines, "engine", "release_memory")
-            t_release = time.perf_counter() - t
         batch = {
             "sequences": seqs,
             "response_starts": [len(s["prompt"]) for s in samples],
             "rollout_logprobs": [s["logprobs"] for s in samples],
             "advantages": adv,
         }
-        t = time.perf_counter()
         with self._phase("train"):
             trained = self._all(self.trainers, "trainer rank", "train", batch)[0]
-        t_train = time.perf_counter() - t
         if self._release:
-            t = time.perf_counter()
             with self._phase("resume"):
                 self._all(self.engines, "engine", "resume_memory")
-            t_resume = time.perf_counter() - t
-        t2 = time.perf_counter()
         with self._phase("sync"):
             synced = self._all(self.trainers, "trainer rank", "sync_weights", str(step),
                                g.verify_weights)[0]  # fmt: skip
-        t_sync = time.perf_counter() - t2
         lengths = [len(s["output_ids"]) for s in samples]
         metrics |= filtered | reward_metrics([s["reward_metrics"] for s in samples])
         truncated = sum(s.get("finish") == "length" for s in samples)
@@ -433,14 +428,11 @@ class Driver:
             "response/length_mean": sum(lengths) / len(lengths),
             "response/length_max": max(lengths), "rollout/samples": len(samples),
             "sync/bytes": synced["bytes"], "sync/verified_boxes": synced["verified_boxes"],
-            "time/rollout_s": t_rollout, "time/score_s": t_score, "time/train_s": t_train,
-            "time/sync_s": t_sync,
             # generated tokens over the rollout's wall time; trained tokens over train's
-            "perf/rollout_tokens_per_s": sum(lengths) / t_rollout,
-            "perf/train_tokens_per_s": trained["num_tokens"] / t_train,
+            "perf/rollout_tokens_per_s": sum(lengths) / self._seconds["rollout"],
+            "perf/train_tokens_per_s": trained["num_tokens"] / self._seconds["train"],
         }  # fmt: skip
-        if self._release:
-            metrics |= {"time/release_s": t_release, "time/resume_s": t_resume}
+        metrics |= {f"time/{k}_s": v for k, v in self._seconds.items()}
         if self.peaks is not None:
             metrics |= {f"memory/{k}_peak_mib": v for k, v in self.peaks.take().items()}
         v = self.e.eval

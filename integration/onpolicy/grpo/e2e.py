@@ -37,6 +37,7 @@ from onpolicy.bits import hex_bits
 from onpolicy.fsutil import write_atomic
 from onpolicy.grpo.cluster import RunError
 from onpolicy.grpo.driver import Driver, OnPolicyViolation
+from onpolicy.grpo.memory import gpu_memory_used
 
 TABLE = [("step", "step", "{}"), ("abs_diff", "train/train_rollout_logprob_abs_diff", "{!r}"),
          ("kl", "train/train_rollout_kl", "{!r}"), ("equal", "train/logprob_equal_frac", "{:.4f}"),
@@ -187,23 +188,6 @@ def memory_left(before: list[int] | None, after: list[int]) -> str:
     rule = "above its use before the run" if known else "not back to 0 MiB"
     return "[gpu_memory] GPU memory " + rule + ": " + ", ".join(
         f"GPU {i} {a} MiB (before {b})" for i, a, b in over)  # fmt: skip
-
-
-def gpu_memory_used(timeout: float = 60.0) -> list[int]:
-    """Memory used on every GPU of this host, in MiB (nvidia-smi); RuntimeError naming the
-    wait if nvidia-smi gives no answer within `timeout` s (a wedged driver can hang it)."""
-    import subprocess
-
-    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                             timeout=timeout).stdout  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"nvidia-smi gave no answer within {timeout:.0f} s (GPU memory "
-                           "after teardown): the driver may be wedged") from None  # fmt: skip
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise RuntimeError(f"nvidia-smi failed: {err}") from None
-    return [int(x) for x in out.split()]
 
 
 def _write(path: Path, record: dict) -> None:

@@ -35,17 +35,32 @@ def run_rss_mib(run_id: str) -> int:
     return pages * PAGE // (1 << 20)
 
 
+QUERY = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+
+def gpu_memory_used(timeout: float = 60.0) -> list[int]:
+    """Memory used on every GPU of this host, in MiB (nvidia-smi); RuntimeError naming the
+    wait if nvidia-smi gives no answer within `timeout` s (a wedged driver can hang it)."""
+    try:
+        out = subprocess.run(QUERY, capture_output=True, text=True, check=True,
+                             timeout=timeout).stdout  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"nvidia-smi gave no answer within {timeout:.0f} s (memory.used): "
+                           "the driver may be wedged") from None  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise RuntimeError(f"nvidia-smi failed: {err}") from None
+    return [int(x) for x in out.split()]
+
+
 class GpuReader:
     """The latest total of `nvidia-smi`'s memory.used over the host's GPUs, in MiB, streamed by one
     `nvidia-smi --loop-ms` process (started here, stopped by `close`)."""
 
     def __init__(self, interval_s: float = INTERVAL_S):
-        cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-               f"--loop-ms={max(1, int(interval_s * 1000))}"]  # fmt: skip
+        self._gpus = len(gpu_memory_used())  # RuntimeError without a working nvidia-smi
+        cmd = [*QUERY, f"--loop-ms={max(1, int(interval_s * 1000))}"]
         self._p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    text=True)  # fmt: skip
-        self._gpus = len(subprocess.run(cmd[:3], capture_output=True, text=True, timeout=60,
-                                        check=True).stdout.split())  # fmt: skip
         self.latest = 0
         self._t = threading.Thread(target=self._read, name="gpu-memory", daemon=True)
         self._t.start()

@@ -158,15 +158,16 @@ def _refuse_over(total: int, limit: int, what: str) -> None:
         )
 
 
-def _replaceable(old: Path) -> None:
-    """Refuse to replace a folder that is not empty and was not written by this module."""
+def _replaceable(old: Path, marker: str = MANIFEST) -> None:
+    """Refuse to replace a folder that is not empty and was not written by this module (it holds
+    no `marker`, the manifest of what it built, and no INSTALLED)."""
     if old.exists() and any(old.iterdir()):
-        if not (old / MANIFEST).is_file() and not (old / INSTALLED).exists():
+        if not (old / marker).is_file() and not (old / INSTALLED).exists():
             raise UpstreamError(f"{old} holds files this tool did not write; choose another path")
 
 
-def _replace(old: Path, new: Path) -> None:
-    _replaceable(old)
+def _replace(old: Path, new: Path, marker: str = MANIFEST) -> None:
+    _replaceable(old, marker)
     if old.exists():
         shutil.rmtree(old)
     os.replace(new, old)
@@ -204,18 +205,24 @@ def _copy(pieces: list[Path], dest: Path) -> None:
         parts.joined(pieces, dest)
 
 
+def _listed(wheels: Path, items: list[parts.Item], listed: dict[str, str]) -> list[parts.Item]:
+    """The download's plain wheels that `listed` (name -> version) names, in its order; refused
+    naming every one the download lacks at that version."""
+    plain = {i.name: i for i in items if i.series is None}
+    absent = [f"{n}=={v}" for n, v in listed.items() if n not in plain or plain[n].version != v]
+    if absent:
+        raise UpstreamError(f"not in {wheels}'s manifest: {absent}; run `nox -s gpu-wheels`")
+    return [plain[n] for n in listed]
+
+
 def build(root: Path, wheels: Path, out: Path, *, limit: int = LIMIT) -> dict:
     """The lean bundle in `out`, from the download's parts in `wheels` (`nox -s gpu-wheels`)."""
     lean = read_lean()
     _replaceable(out)
     manifest = parts.load_manifest(wheels)
     items = parts.items(manifest)
-    plain = {i.name: i for i in items if i.series is None}
-    absent = [f"{n}=={v}" for n, v in lean.items() if n not in plain or plain[n].version != v]
-    if absent:
-        raise UpstreamError(f"not in {wheels}'s manifest: {absent}; run `nox -s gpu-wheels`")
+    chosen = _listed(wheels, items, lean)
     engines = {i.series: i for i in items if i.series}
-    chosen = [plain[n] for n in lean]
     _refuse_over(sum(i.size for i in chosen), limit, f"the {len(chosen)} wheels alone")
     found = parts.verify(wheels, [*chosen, *engines.values()])  # sha256, before any work
     staging = out.parent / f".{out.name}.staging"
@@ -276,14 +283,9 @@ def install(root: Path, bundle: Path, target: Path) -> str:
 def build_loop(wheels: Path, out: Path, *, limit: int = LIMIT) -> dict:
     """gpu-host-loop.txt's wheels from the download's parts in `wheels`, re-cut into parts of at
     most `limit` bytes in `out` (part-NN/, each with the manifest)."""
-    loop = read_lean(LOOP)
-    items = {i.name: i for i in parts.items(parts.load_manifest(wheels)) if i.series is None}
-    absent = [f"{n}=={v}" for n, v in loop.items() if n not in items or items[n].version != v]
-    if absent:
-        raise UpstreamError(f"not in {wheels}'s manifest: {absent}; run `nox -s gpu-wheels`")
-    chosen = [items[n] for n in loop]
+    chosen = _listed(wheels, parts.items(parts.load_manifest(wheels)), read_lean(LOOP))
     found = parts.verify(wheels, chosen)  # sha256, before any work
-    _replaceable_parts(out)
+    _replaceable(out, parts.MANIFEST)
     staging = out.parent / f".{out.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     whole = staging / "whole"
@@ -291,16 +293,9 @@ def build_loop(wheels: Path, out: Path, *, limit: int = LIMIT) -> dict:
              for i in chosen]  # fmt: skip
     manifest = parts.bundle(files, staging, cap=limit, inputs=sha256_of(LOOP))
     shutil.rmtree(whole)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(staging, out)
+    _replace(out, staging, parts.MANIFEST)
     print(parts.summary(manifest))
     return manifest
-
-
-def _replaceable_parts(out: Path) -> None:
-    if out.exists() and any(out.iterdir()) and not (out / parts.MANIFEST).is_file():
-        raise UpstreamError(f"{out} holds files this tool did not write; choose another path")
 
 
 def install_loop(bundle: Path, target: Path) -> None:
