@@ -69,12 +69,18 @@ def test_a_captured_decode_step_replays_the_eager_bits(model, batch):
     assert_bitwise(out, fresh, "replay with new tokens in the captured buffer")
 
 
+LOCAL_SETS = {"range": range(4, 12), "set": (4, 5, 6, 7, 8, 9, 10, 11)}
+"""The rollout's own (a range: comparisons) and any other set (a mask gathered)."""
+
+
+@pytest.mark.parametrize("local_set", list(LOCAL_SETS))
 @pytest.mark.parametrize("tokens", [1, 40])
 @torch.no_grad()
-def test_expert_outputs_of_local_experts_capture_and_replay(tokens):
+def test_expert_outputs_of_local_experts_capture_and_replay(tokens, local_set):
     """The rollout's EP path (`local_experts`) inside a capture: after one eager call (SGLang
-    warms up before it captures) the step makes no host-to-device copy, so the capture holds,
-    and a replay gives the eager bits (small-batch schedule at 1 token, sorted at 40)."""
+    warms up before it captures) the step makes no host-to-device copy and no sync, so the
+    capture holds, and a replay gives the eager bits (small-batch schedule at 1 token, sorted
+    at 40)."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
     e, h, inter, k = 16, 256, 128, 8
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -82,7 +88,7 @@ def test_expert_outputs_of_local_experts_capture_and_replay(tokens):
     wg, wu = (torch.randn(e, inter, h, device="cuda", dtype=torch.bfloat16, generator=g) / 16
               for _ in range(2))  # fmt: skip
     wd = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16, generator=g) / 16
-    local = range(4, 12)
+    local = LOCAL_SETS[local_set]
 
     def step() -> torch.Tensor:
         return K.moe_expert_outputs(x, ids, wg, wu, wd, local_experts=local)

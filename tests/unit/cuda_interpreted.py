@@ -352,6 +352,12 @@ def moe_grouped_rows_equal_linear_per_expert() -> None:
     assert mask.any() and (~mask).any(), "the local experts hold all slots or none"
     assert_bitwise(local[mask], out[mask], "local experts' slots")
     assert_bitwise(local[~mask], torch.zeros_like(local[~mask]), "other slots")
+    # A range is compared, any other set gathered from a mask: the same slots either way.
+    ranged = moe.expert_outputs(x, ids, wg, wu, wd, local_experts=range(2, 6))
+    mask = (ids >= 2) & (ids < 6)
+    assert mask.any() and (~mask).any(), "the local range holds all slots or none"
+    assert_bitwise(ranged[mask], out[mask], "local range's slots")
+    assert_bitwise(ranged[~mask], torch.zeros_like(ranged[~mask]), "slots outside the range")
     assert t * top > moe.SMALL_PAIRS >= 6 * top, "both schedules must run"
     small = moe.expert_outputs(x[9:15], ids[9:15], wg, wu, wd)  # one tile per pair, unsorted
     assert_bitwise(small, out[9:15], "small batch vs the sorted schedule")

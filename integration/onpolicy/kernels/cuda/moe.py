@@ -227,17 +227,23 @@ def _expert_outputs_native(x, w_gate, w_up, w_down, topk_ids, local_experts):
     return out
 
 
-_LOCAL_IDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_LOCAL_MASKS: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}
 
 
-def _local_ids(local_experts: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The local expert ids on `device`, made once: a host-to-device copy inside a CUDA-graph
-    capture fails it (SGLang's decode capture hit this one), and the warm-up runs before it."""
-    key = (tuple(int(e) for e in local_experts), torch.device(device))
-    got = _LOCAL_IDS.get(key)
-    if got is None:
-        got = _LOCAL_IDS[key] = torch.tensor(key[0], dtype=torch.long, device=device)
-    return got
+def _is_local(ids: torch.Tensor, local_experts: Sequence[int], num_experts: int) -> torch.Tensor:
+    """Which of `ids` (in [0, num_experts]) name a local expert. Inside a CUDA-graph capture
+    nothing here may copy from the host or sync (SGLang's decode capture failed on both): a
+    contiguous range is two comparisons with scalars; any other set is a mask made on the
+    first, eager call (SGLang warms up before it captures) and gathered from after."""
+    if isinstance(local_experts, range) and local_experts.step == 1:
+        return (ids >= local_experts.start) & (ids < local_experts.stop)
+    key = (tuple(int(e) for e in local_experts), num_experts, torch.device(ids.device))
+    mask = _LOCAL_MASKS.get(key)
+    if mask is None:
+        mask = torch.zeros(num_experts + 1, dtype=torch.bool)
+        mask[list(key[0])] = True
+        mask = _LOCAL_MASKS[key] = mask.to(ids.device)
+    return mask[ids]
 
 
 def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segments):
@@ -245,7 +251,7 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
     num_experts, hidden = w_gate.shape[0], w_down.shape[1]
     ids = topk_ids.reshape(-1).long()
     if local_experts is not None:
-        ids = torch.where(torch.isin(ids, _local_ids(local_experts, ids.device)), ids, num_experts)
+        ids = torch.where(_is_local(ids, local_experts, num_experts), ids, num_experts)
     if ids.numel() == 0:
         return x.new_zeros(t, k, hidden)
     n = ids.numel()
