@@ -4,7 +4,7 @@ responses), on the real engines at the smallest layouts: Ray, 2 Megatron ranks (
 exact SGLang engine (TP1); the config's own layouts (8 ranks, two engines TP2 EP2) run the band
 task in test_grpo.py, and the data path does not depend on them.
 
-Three processes:
+Three processes (`math` beside the other two):
 - `math`: 3 steps of the config as it is, math-verify rewards, eval at step 2 (eval.every) and
   at the end. A random tiny model answers no question right, so it does not learn.
 - `first` and `resumed`: the same data with a custom reward by path
@@ -48,9 +48,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # its runs' fixture 
 def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("e2e-math")
     with stopped_on_error():
+        # `math` runs beside `first` (a start leaves part of the two cores idle; neither run's
+        # checks depend on the other) and is waited for last.
         math = Run(CONFIG, root / "math", *sets(*SMALL), steps=3, log="math",
                    cache=compile_cache)  # fmt: skip
-        math.wait()
         filtered = sets(*SMALL, *FILTERED)
         first = Run(CONFIG, root / "filtered", *filtered, steps=4, log="first",
                     cache=compile_cache, path=(FIXTURES,))  # fmt: skip
@@ -60,6 +61,7 @@ def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
         resumed = Run(CONFIG, root / "filtered", "--resume", *filtered, steps=4, log="resumed",
                       cache=compile_cache, path=(FIXTURES,))  # fmt: skip
         resumed.wait()
+        math.wait()
         return {"math": math, "first": first, "resumed": resumed}
 
 
