@@ -4,15 +4,18 @@ responses), on the real engines at the smallest layouts: Ray, 2 Megatron ranks (
 exact SGLang engine (TP1); the config's own layouts (8 ranks, two engines TP2 EP2) run the band
 task in test_grpo.py, and the data path does not depend on them.
 
-Three processes (`math` beside the other two):
+Three processes:
 - `math`: 3 steps of the config as it is, math-verify rewards, eval at step 2 (eval.every) and
   at the end. A random tiny model answers no question right, so it does not learn.
 - `first` and `resumed`: the same data with a custom reward by path
   (`reward_fixtures:has_digit`, a dict reward a random model earns now and then) and group
   filtering on, so most groups are dropped and refilled from the stream and the kept ones
-  change the weights. `first` is asked for 4 steps, saves every 2 and gets Ctrl-C (SIGINT) once
-  step 2's checkpoint is in place: it tears down with exit 130 and leaves no process.
-  `resumed` continues it with `--resume` to step 4, the stream at the position step 2 saved.
+  change the weights. `first` is asked for 4 steps, saves every step and gets Ctrl-C (SIGINT)
+  once step 3's checkpoint is in place: it tears down with exit 130 and leaves no process.
+  `latest` is then set back to step 2, what a run killed between publishing step 3's folder
+  and moving `latest` leaves. `resumed` continues it with `--resume`: it sets the unpublished
+  save aside, and from step 2 (the stream at the position step 2 saved) makes step 3 again,
+  bit for bit the step `first` made (metrics and weights), then step 4.
 
 Checked: abs_diff and kl 0.0 at every step; every reward is its function on the response decoded
 from its ids; the eval metrics where due; every step's prompts are the stream's at that step's
@@ -29,14 +32,22 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cli_run import Run, assert_on_policy, sets, stopped_on_error
+from cli_run import (
+    Run,
+    assert_on_policy,
+    assert_same_weights,
+    sets,
+    steady,
+    stopped_on_error,
+    weights,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu-math.toml"
 FIXTURES = REPO / "tests" / "unit"  # reward_fixtures
 SMALL = ("run.wandb_mode=disabled", "training.world=2", "training.tp=2", "training.pp=1",
          "training.ep=1", "rollout.engines=1", "rollout.tp=1", "rollout.ep=1")  # fmt: skip
-FILTERED = ("run.checkpoint_every=2", 'reward.name="custom"',
+FILTERED = ("run.checkpoint_every=1", 'reward.name="custom"',
             'reward.path="reward_fixtures:has_digit"', "grpo.filter_groups=true",
             "grpo.filter_max_batches=3")  # fmt: skip
 N, WANT, TOKENS = 4, 4, 16  # the config's samples_per_prompt, prompts_per_step, max_new_tokens
@@ -48,21 +59,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # its runs' fixture 
 def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("e2e-math")
     with stopped_on_error():
-        # `math` runs beside `first` (a start leaves part of the two cores idle; neither run's
-        # checks depend on the other) and is waited for last.
         math = Run(CONFIG, root / "math", *sets(*SMALL), steps=3, log="math",
                    cache=compile_cache)  # fmt: skip
+        math.wait()
         filtered = sets(*SMALL, *FILTERED)
         first = Run(CONFIG, root / "filtered", *filtered, steps=4, log="first",
                     cache=compile_cache, path=(FIXTURES,))  # fmt: skip
-        if first.until(lambda: first.latest() == 2):
+        if first.until(lambda: first.latest() == 3):
             first.proc.send_signal(signal.SIGINT)
         first.wait()
+        first_rows = first.metrics()  # the resume rewrites the rows after its start
+        # Step 3's save published, `latest` not moved: what a run killed between the two leaves.
+        (first.out / "checkpoints" / "latest").write_text("2\n")
         resumed = Run(CONFIG, root / "filtered", "--resume", *filtered, steps=4, log="resumed",
                       cache=compile_cache, path=(FIXTURES,))  # fmt: skip
         resumed.wait()
-        math.wait()
-        return {"math": math, "first": first, "resumed": resumed}
+        return {"math": math, "first": first, "first_rows": first_rows, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +166,7 @@ def test_ctrl_c_tears_down(runs):
     first = runs["first"]
     assert first.code == 130, first.text[-5000:]
     assert "interrupted; tearing down" in first.text, first.text[-3000:]
-    assert [r["step"] for r in first.metrics()][:2] == [1, 2], first.text[-3000:]
+    assert [r["step"] for r in runs["first_rows"]][:3] == [1, 2, 3], first.text[-3000:]
     first.check_clean()
 
 
@@ -162,8 +174,16 @@ def test_filtered_run_is_on_policy_and_resumes(runs):
     first, resumed = runs["first"], runs["resumed"]
     assert resumed.code == 0, resumed.text[-5000:]
     assert "resumed at step 2" in resumed.text, resumed.text[-3000:]
+    aside = [ln for ln in resumed.text.splitlines() if "is newer than `latest` (2)" in ln]
+    assert len(aside) == 1 and "iter_0000003" in aside[0], resumed.text[-3000:]
     rows = resumed.metrics()
     assert_on_policy(rows, 4, resumed.text)
+    # Step 3 made again from step 2's save: the interrupted run's step 3, bit for bit.
+    assert [steady(r) for r in rows[:3]] == [steady(r) for r in runs["first_rows"][:3]]
+    from onpolicy.checkpoint.torch_dist import global_tensors
+
+    (unpublished,) = (resumed.out / "checkpoints").glob(".iter_0000003.aside-*")
+    assert_same_weights(weights(resumed.out, 3), global_tensors(unpublished))
     assert [r["step"] for r in rows if "eval/reward_mean" in r] == [2, 4], rows
     assert all("eval/digits" in r for r in rows if "eval/reward_mean" in r), rows
     resumed.check_clean()

@@ -9,8 +9,6 @@ and what it was doing, and no process of the run left:
   call gets no answer within run.actor_timeout_s and the stopped rank is named as stopped;
 - a trainer rank's save raising (the checkpoints folder is a file by then): the actor's root
   exception, not Ray's wrapper, is the cause given.
-
-The four runs are made by one fixture, two at a time (FAULTS).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +26,7 @@ CONFIG = REPO / "configs" / "tiny-cpu.toml"
 SMALL = ("run.wandb_mode=disabled", "training.world=2", "training.tp=2", "training.pp=1",
          "training.ep=1", "rollout.engines=1", "rollout.tp=1", "rollout.ep=1")  # fmt: skip
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # the runs' fixture included
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _run(out: Path, *overrides: str, cache: Path) -> Run:
@@ -54,63 +51,14 @@ def _cause(run: Run, what: str) -> str:
     return lines[0]
 
 
-# --- the faults, made while each run runs ------------------------------------------------------
-def _engine_killed(root: Path, cache: Path) -> dict:
-    # long responses: step 2's rollout lasts seconds, and the kill lands inside it
-    run = _run(root / "engine", "grpo.max_new_tokens=96", cache=cache)
-    assert run.until(lambda: _rows(run) >= 1), run.text[-4000:]
-    os.kill(_pids(run)["engine0"], signal.SIGKILL)
-    run.wait()
-    return {"run": run}
-
-
-def _trainer_killed(root: Path, cache: Path) -> dict:
-    run = _run(root / "trainer", cache=cache)
-    assert run.until(lambda: _rows(run) >= 1), run.text[-4000:]
-    os.kill(_pids(run)["trainer rank 1"], signal.SIGKILL)
-    run.wait()
-    return {"run": run}
-
-
-def _trainer_hung(root: Path, cache: Path) -> dict:
-    run = _run(root / "hung", "run.actor_timeout_s=30", cache=cache)
-    assert run.until(lambda: _rows(run) >= 1), run.text[-4000:]
-    pid = _pids(run)["trainer rank 1"]
-    os.kill(pid, signal.SIGSTOP)
-    run.wait()
-    return {"run": run, "pid": pid}
-
-
-def _save_raises(root: Path, cache: Path) -> dict:
-    run = _run(root / "raises", "run.checkpoint_every=1", cache=cache)
-    assert run.until(lambda: (run.out / "actors.json").exists()), run.text[-4000:]
-    (run.out / "checkpoints").write_text("not a folder\n")  # before step 1's save
-    run.wait()
-    return {"run": run}
-
-
-FAULTS = {"engine": _engine_killed, "hung": _trainer_hung, "trainer": _trainer_killed,
-          "raises": _save_raises}  # fmt: skip
-"""Run two at a time, in this order: a hung rank's run waits out its timeout with little to do,
-and a run's start leaves part of the two cores idle; each run's checks do not depend on what
-runs beside it (its timeout is for a call that takes a second or two)."""
-
-
-@pytest.fixture(scope="module")
-def faults(tmp_path_factory, compile_cache) -> dict[str, dict]:
-    root = tmp_path_factory.mktemp("faults")
-    pool = ThreadPoolExecutor(2)
-    try:
-        with stopped_on_error():  # a failed fault stops every live run, then none starts
-            futures = {name: pool.submit(f, root, compile_cache) for name, f in FAULTS.items()}
-            return {name: f.result() for name, f in futures.items()}
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
-def test_an_engine_killed_mid_rollout_stops_the_run(faults):
-    run = faults["engine"]["run"]
-    assert run.code == 3, run.text[-4000:]
+def test_an_engine_killed_mid_rollout_stops_the_run(tmp_path, compile_cache):
+    with stopped_on_error():
+        # long responses: step 2's rollout lasts seconds, and the kill lands inside it
+        run = _run(tmp_path / "engine", "grpo.max_new_tokens=96", cache=compile_cache)
+        assert run.until(lambda: _rows(run) >= 1), run.text[-4000:]
+        os.kill(_pids(run)["engine0"], signal.SIGKILL)
+        code = run.wait()
+    assert code == 3, run.text[-4000:]
     assert _cause(run, "generate").startswith("onpolicy e2e: generate: engine0 died: "), run.text[
         -3000:
     ]
@@ -118,9 +66,13 @@ def test_an_engine_killed_mid_rollout_stops_the_run(faults):
     run.check_clean()
 
 
-def test_a_killed_trainer_rank_stops_the_run(faults):
-    run = faults["trainer"]["run"]
-    assert run.code == 3, run.text[-4000:]
+def test_a_killed_trainer_rank_stops_the_run(tmp_path, compile_cache):
+    with stopped_on_error():
+        run = _run(tmp_path / "trainer", cache=compile_cache)
+        assert run.until(lambda: _rows(run) >= 1), run.text[-4000:]
+        os.kill(_pids(run)["trainer rank 1"], signal.SIGKILL)
+        code = run.wait()
+    assert code == 3, run.text[-4000:]
     causes = [ln for ln in run.text.splitlines() if ln.startswith("onpolicy e2e: ")
               and ": trainer rank 1 died" in ln]  # fmt: skip
     assert len(causes) == 1, run.text[-4000:]
@@ -128,18 +80,27 @@ def test_a_killed_trainer_rank_stops_the_run(faults):
     run.check_clean()
 
 
-def test_a_hung_trainer_rank_is_named_and_stops_the_run(faults):
-    run, pid = faults["hung"]["run"], faults["hung"]["pid"]
-    assert run.code == 3, run.text[-4000:]
+def test_a_hung_trainer_rank_is_named_and_stops_the_run(tmp_path, compile_cache):
+    with stopped_on_error():
+        run = _run(tmp_path / "hung", "run.actor_timeout_s=30", cache=compile_cache)
+        assert run.until(lambda: _rows(run) >= 1), run.text[-4000:]
+        pid = _pids(run)["trainer rank 1"]
+        os.kill(pid, signal.SIGSTOP)
+        code = run.wait()
+    assert code == 3, run.text[-4000:]
     cause = _cause(run, "score")
     assert f"trainer rank 1 (pid {pid}, stopped)" in cause, cause
     assert "no answer from" in cause and "within 30 s" in cause, cause
     run.check_clean()
 
 
-def test_an_actor_that_raises_is_reported_by_its_root_exception(faults):
-    run = faults["raises"]["run"]
-    assert run.code == 3, run.text[-4000:]
+def test_an_actor_that_raises_is_reported_by_its_root_exception(tmp_path, compile_cache):
+    with stopped_on_error():
+        run = _run(tmp_path / "raises", "run.checkpoint_every=1", cache=compile_cache)
+        assert run.until(lambda: (run.out / "actors.json").exists()), run.text[-4000:]
+        (run.out / "checkpoints").write_text("not a folder\n")  # before step 1's save
+        code = run.wait()
+    assert code == 3, run.text[-4000:]
     cause = _cause(run, "save")
     assert cause.startswith("onpolicy e2e: save: trainer rank ") and " failed: " in cause, cause
     assert "Error: " in cause and "checkpoints" in cause and "RayTaskError" not in cause, cause

@@ -30,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -145,11 +144,10 @@ def _run_worker(plan: dict, tp: int, tmp: Path, cache: Path, timeout: float = 15
 
 @pytest.fixture(scope="module")
 def engine_runs(tiny_checkpoint, tmp_path_factory, compile_cache):
-    """layout -> run name -> results. The three layouts' workers start together when the first
-    is asked for: one alone leaves a core of the two idle for much of its time (a TP1 engine is
-    one process), and each worker's bits do not depend on what runs beside it."""
+    """layout -> run name -> results; each layout's worker runs once, when first asked for."""
 
-    def work(layout: str) -> dict:
+    @functools.cache
+    def get(layout: str) -> dict:
         plan = {"ckpt": str(tiny_checkpoint), "runs": _runs(layout)}
         tmp = tmp_path_factory.mktemp(f"sglang-exact-{layout}")
         res = _run_worker(plan, LAYOUTS[layout][0], tmp, compile_cache)["runs"]
@@ -157,18 +155,7 @@ def engine_runs(tiny_checkpoint, tmp_path_factory, compile_cache):
             print(f"[{layout} {name}] engine start + plan: {r['seconds']:.1f} s ({r['sglang']})")
         return res
 
-    with ThreadPoolExecutor(len(LAYOUTS)) as pool:
-
-        @functools.cache
-        def get(layout: str) -> dict:
-            if not futures:
-                futures.update({lay: pool.submit(work, lay) for lay in LAYOUTS})
-            return futures[layout].result()
-
-        futures: dict[str, Future] = {}
-        yield get
-        for f in futures.values():  # a worker left running past the module is waited for
-            f.cancel()
+    return get
 
 
 @pytest.fixture(scope="module")
