@@ -24,7 +24,9 @@ def main(args: argparse.Namespace) -> None:
         tp_size=args.tp,
         ep_size=args.ep,
         disable_cuda_graph=True,
-        mem_fraction_static=0.05,
+        # The KV pool is max_total_tokens; at a fraction of 0.05 the start failed whenever
+        # other jobs held the host's memory (rollout.engine's CPU setting, for the same reason).
+        mem_fraction_static=0.99,
         max_total_tokens=4096,
         random_seed=1234,
         log_level="error",
