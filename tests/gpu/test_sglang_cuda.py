@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from onpolicy.bits import n_differ
-from onpolicy.parity import ParityRun, parse_pair, run_pairs
+from onpolicy.parity import ParityRun, WorkerError, parse_pair, run_pairs
 
 pytestmark = pytest.mark.gpu
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "one-gpu.toml"
@@ -46,26 +46,44 @@ def parity(tmp_path_factory):
         run = ParityRun(config=str(CONFIG), workdir=work, new_tokens=NEW_TOKENS, temperature=t,
                         prompt_lengths=LENGTHS, seed=1, timeout=900, row_digests=True)  # fmt: skip
         results, samples = {}, {}
-        for r in run_pairs(run, [parse_pair(p) for p in RUNS[t]]):
-            results[r.pair] = r
-            first = "" if r.first is None else f"; {r.first.describe()}"
-            print(f"T={t} {r.pair}: {r.equal} of {r.compared} equal, rows {r.rows_equal} of "
-                  f"{r.rows_compared}{first}; {r.first_row}")  # fmt: skip
-        for name in ("tp1", "tp1-eager", "tp1-stock"):
+        # One rollout's pairs at a time: a control that fails to start must not hide the exact
+        # pairs' verdicts (a failed pair's tests re-raise its error).
+        by_rollout: dict[str, list[str]] = {}
+        for p in RUNS[t]:
+            by_rollout.setdefault(p.split(":")[0], []).append(p)
+        for name, pairs in by_rollout.items():
+            try:
+                found = run_pairs(run, [parse_pair(p) for p in pairs])
+            except WorkerError as e:
+                results.update((p, e) for p in pairs)
+                print(f"T={t} {name}: failed: {e}")
+                continue
+            for r in found:
+                results[r.pair] = r
+                first = "" if r.first is None else f"; {r.first.describe()}"
+                print(f"T={t} {r.pair}: {r.equal} of {r.compared} equal, rows {r.rows_equal} of "
+                      f"{r.rows_compared}{first}; {r.first_row}")  # fmt: skip
             f = work / f"rollout-{name}-s1-1" / "samples.json"
-            if f.is_file():
-                samples[name] = json.loads(f.read_text())
-                f.rename(f.with_name(f"samples-t{t}.json"))
+            samples[name] = json.loads(f.read_text())
+            f.rename(f.with_name(f"samples-t{t}.json"))
         done[t] = results, samples
         return done[t]
 
     return at
 
 
+def verdict(results: dict, pair: str):
+    """The pair's result; its run's error if it failed."""
+    r = results[pair]
+    if isinstance(r, Exception):
+        raise r
+    return r
+
+
 @pytest.mark.parametrize("t", list(RUNS))
 def test_exact_engine_with_graphs_equals_megatron(parity, t):
     results, samples = parity(t)
-    r = results["tp1:world1"]
+    r = verdict(results, "tp1:world1")
     assert samples["tp1"]["decode_graphs"] == "full"
     assert r.compared == len(LENGTHS) * NEW_TOKENS >= 512
     assert r.equal == r.compared, r.first.describe()
@@ -82,13 +100,13 @@ def test_a_graph_replay_gives_the_eager_bits(parity):
     bad = sum(n_differ(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]))
               for a, b in zip(graph["samples"], eager["samples"], strict=True))  # fmt: skip
     assert bad == 0
-    r = results["tp1-eager:world1"]
+    r = verdict(results, "tp1-eager:world1")
     assert r.equal == r.compared == len(LENGTHS) * NEW_TOKENS, r.first
 
 
 def test_stock_cuda_engine_differs_and_names_the_first_mismatch(parity):
     results, _ = parity(1.0)
-    r = results["tp1-stock:world1"]
+    r = verdict(results, "tp1-stock:world1")
     assert r.compared == len(LENGTHS) * NEW_TOKENS
     assert r.equal < r.compared and r.first is not None
     text = r.first.describe()
@@ -100,6 +118,6 @@ def test_rows_of_the_stock_trainer_differ(parity):
     """The rows' control: the exact rollout's row digests against Megatron's local spec and
     torch's log_softmax on the same tokens."""
     results, _ = parity(0.7)
-    r = results["tp1:world1-stock"]
+    r = verdict(results, "tp1:world1-stock")
     assert r.rows_compared == len(LENGTHS) * NEW_TOKENS and r.rows_equal < r.rows_compared
     assert "row digest 0x" in r.first_row, r.first_row

@@ -296,5 +296,8 @@ def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
         out = workdir / f"train-{p.training_name}-{p.rollout.name}"
         scores, digests = train_scores(run, cfg, ckpt, p, folder / "samples.json", out)
         result = compare(samples, scores, p.name)
-        results.append(result if digests is None else compare_rows(result, samples, digests))
+        result = result if digests is None else compare_rows(result, samples, digests)
+        rows = f", rows {result.rows_equal} of {result.rows_compared}" if digests else ""
+        log(f"parity: {p.name}: {result.equal} of {result.compared} equal{rows}")
+        results.append(result)
     return results
