@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     # Graphs only at batch sizes this request can reach: capturing SGLang's 36 sizes up to 256
     # took a minute on an H100.
     graphs = ({"disable_cuda_graph": True} if args.eager
-              else {"cuda_graph_max_bs": len(req.prompts)} if args.device == "cuda" else {})  # fmt: skip
+              else {"cuda_graph_max_bs_decode": len(req.prompts)} if args.device == "cuda" else {})  # fmt: skip
     engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock,
                     device=args.device, **graphs)  # fmt: skip
     try:
