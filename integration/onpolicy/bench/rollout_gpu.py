@@ -12,7 +12,8 @@ prefill. The figures, each the median of `--reps` batches after a warm-up of eve
   time of a batch of N new tokens less that of a batch of 1 new token (its prefill);
 - prefill tokens/s of one `--prefill`-token prompt (one new token).
 The stock engine is the same engine without `rl_on_policy_target`, with SGLang's triton
-attention and its own ops (torch ops where sglang-kernel is not installed, as on the H200 host).
+attention and its own ops; where sglang-kernel is not installed (the H200 host) its torch ops,
+decoding eagerly (their MoE reads expert counts back to the host, which a capture refuses).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ HEADING = "## Rollout throughput on CUDA: exact vs stock engine"
 """The section this benchmark owns in docs/benchmarks.md."""
 BATCHES = (1, 16, 64)
 """Decode batch sizes measured."""
+NATIVE = (" (so the stock engine runs SGLang's torch ops and decodes eagerly: their MoE reads "
+          "expert counts back to the host, which a graph capture refuses)")  # fmt: skip
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -53,9 +56,12 @@ def measure(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0
 
     room = max(BATCHES) * (args.context + args.new_tokens) + args.prefill + 1024
+    graphs = (
+        {"disable_cuda_graph": True} if args.eager else {"cuda_graph_max_bs_decode": max(BATCHES)}
+    )
     engine = launch(args.ckpt, 1, 1, args.dtype, exact=args.engine == "exact", device="cuda",
                     mem_fraction_static=args.mem_fraction, max_total_tokens=room,
-                    cuda_graph_max_bs_decode=max(BATCHES))  # fmt: skip
+                    **graphs)  # fmt: skip
     try:
         shapes = [(b, args.context, n) for b in BATCHES for n in (1, args.new_tokens)]
         shapes.append((1, args.prefill, 1))
@@ -69,12 +75,12 @@ def measure(args: argparse.Namespace) -> None:
 
 
 def run_engine(engine: str, ckpt: Path, args: argparse.Namespace, env: dict[str, str],
-               tmp: Path) -> dict[str, list[float]]:  # fmt: skip
+               tmp: Path, eager: bool = False) -> dict[str, list[float]]:  # fmt: skip
     cmd = [sys.executable, "-m", "onpolicy.bench.rollout_gpu", "--measure", engine, "--ckpt",
            str(ckpt), "--reps", str(args.reps), "--dtype", args.dtype, "--vocab",
            str(args.vocab), "--context", str(args.context), "--new-tokens",
            str(args.new_tokens), "--prefill", str(args.prefill), "--mem-fraction",
-           str(args.mem_fraction)]  # fmt: skip
+           str(args.mem_fraction)] + (["--eager"] if eager else [])  # fmt: skip
     log = tmp / f"{engine}.log"
     with log.open("w") as f:
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=f, text=True,
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="write (or replace) this benchmark's section in this file")
     ap.add_argument("--measure", choices=["exact", "stock"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -133,9 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = model_checkpoint(cfg, tmp)
         base = {**os.environ, **resolve_plan(cfg).rollout_env}
         envs = {"exact": base, "stock": stock_env(base)}
-        if importlib.util.find_spec("sgl_kernel") is None:
+        native = importlib.util.find_spec("sgl_kernel") is None
+        if native:  # its MoE reads expert counts back to the host: no graph capture
             envs["stock"] = {**envs["stock"], "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
-        times = {e: run_engine(e, ckpt, args, engine_env(1, tmp / e, "cuda", base=envs[e]), tmp)
+        times = {e: run_engine(e, ckpt, args, engine_env(1, tmp / e, "cuda", base=envs[e]), tmp,
+                               eager=native and e == "stock")
                  for e in ("stock", "exact")}  # fmt: skip
     r = {e: rates(t, args) for e, t in times.items()}
     rows = ["| measure | stock tokens/s | exact tokens/s | exact / stock |", "|---|---|---|---|"]
@@ -151,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{cfg.shape.num_hidden_layers} layers of Qwen3-30B-A3B's dims, seeded), decode in CUDA "
         f"graphs, chunked prefill and the radix cache on, log-probs returned; "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}, {gpu}, torch {torch.__version__}, the code "
-        f"of commit {commit()}, sglang-kernel {kernel}. Decode: B x {args.new_tokens - 1} tokens "
+        f"of commit {commit()}, sglang-kernel {kernel}{NATIVE if native else ''}. Decode: "
+        f"B x {args.new_tokens - 1} tokens "
         f"over the batch time less its prefill's, prompts of {args.context} tokens; prefill: one "
         f"{args.prefill}-token prompt. The median of {args.reps} batches after a warm-up."
     )

@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ[digests.ENV] = args.row_digests
     # Graphs only at batch sizes this request can reach: capturing SGLang's 36 sizes up to 256
     # took a minute on an H100.
-    graphs = ({"disable_cuda_graph": True} if args.eager
-              else {"cuda_graph_max_bs_decode": len(req.prompts)} if args.device == "cuda" else {})  # fmt: skip
+    graphs = {"disable_cuda_graph": True} if args.eager else {}
+    if args.device == "cuda" and not args.eager:
+        graphs = {"cuda_graph_max_bs_decode": len(req.prompts)}
     engine = launch(args.ckpt, args.tp, args.ep, args.dtype, exact=not args.stock,
                     device=args.device, **graphs)  # fmt: skip
     try:

@@ -233,14 +233,19 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
            "--request", str(folder / "request.json"),
            "--out", str(folder / "samples.json")]  # fmt: skip
     cmd += ["--device", cfg.device] + (["--stock"] if layout.stock else [])
-    cmd += ["--eager"] if layout.eager else []
+    native = (
+        layout.stock and cfg.device == "cuda" and importlib.util.find_spec("sgl_kernel") is None
+    )
+    # The native ops' MoE (moe_forward_native) reads its expert counts back to the host, which a
+    # graph capture refuses: that control decodes eagerly.
+    cmd += ["--eager"] if layout.eager or native else []
     if run.row_digests and not layout.stock:  # the sampler appends: a fresh folder per rollout
         shutil.rmtree(folder / "digests", ignore_errors=True)
         cmd += ["--row-digests", str(folder / "digests")]
     plan = resolve_plan(cfg)
     base = {**os.environ, **plan.rollout_env}
     base = stock_env(base) if layout.stock else base
-    if layout.stock and cfg.device == "cuda" and importlib.util.find_spec("sgl_kernel") is None:
+    if native:
         # Without sglang-kernel SGLang's CUDA ops have no AOT kernels: the control runs its
         # native torch ops (and its triton attention), still not the exact path.
         base = {**base, "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
