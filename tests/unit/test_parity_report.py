@@ -193,3 +193,33 @@ def test_compare_rows_counts_positions_and_names_the_first_in_hex():
     assert "rows equal / compared" in table and " 9 / 10 " in table, table
     with pytest.raises(ValueError, match="trainer row digests"):
         compare_rows(r, samples, {i: d[:-1] for i, d in digests.items()})
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["no-sgl-kernel", "sgl-kernel"])
+@pytest.mark.parametrize("rollout", ["tp1-stock", "tp1"])
+def test_the_cuda_stock_control_without_sgl_kernel_runs_torch_ops_eagerly(
+    monkeypatch, tmp_path, kernel, rollout
+):
+    """Where sglang-kernel is absent (the H200 host) the CUDA stock control runs SGLang's torch
+    ops and decodes eagerly (their MoE reads expert counts back to the host, which a graph
+    capture refuses); with it installed, or on the exact path, neither switch is set."""
+    from onpolicy.parity import ParityRun
+    from onpolicy.parity import run as parity_run
+
+    seen = {}
+
+    def fake_run(what, cmd, env, log, timeout):
+        seen.update(cmd=cmd, env=env)
+        (log.parent / "samples.json").write_text('{"samples": []}')
+
+    monkeypatch.setattr(parity_run, "_run", fake_run)
+    monkeypatch.setattr(parity_run, "sgl_kernel_installed", lambda: kernel)
+    monkeypatch.delenv("SGLANG_FORCE_FUSED_OP_BACKEND", raising=False)
+    pair = parse_pair(f"{rollout}:world1")
+    one_gpu = CONFIG.with_name("one-gpu.toml")
+    cfg = pair_config(one_gpu, {}, pair)
+    run = ParityRun(config=str(one_gpu), workdir=tmp_path)
+    parity_run.rollout(run, cfg, tmp_path / "ckpt", pair.rollout, [[1, 2]], tmp_path / "r")
+    native = rollout == "tp1-stock" and not kernel
+    assert ("--eager" in seen["cmd"]) is native
+    assert (seen["env"].get("SGLANG_FORCE_FUSED_OP_BACKEND") == "torch") is native

@@ -220,6 +220,11 @@ def _run(what: str, cmd: list[str], env: dict, log: Path, timeout: float) -> Non
         raise WorkerError(f"{what} exited {p.returncode}; log: {log}\n{tail}")
 
 
+def sgl_kernel_installed() -> bool:
+    """Whether SGLang's AOT CUDA kernels (sglang-kernel) can be imported here."""
+    return importlib.util.find_spec("sgl_kernel") is not None
+
+
 def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
             prompts: list[list[int]], folder: Path) -> list[dict]:  # fmt: skip
     """Sample every prompt on one engine at `layout` (exact, or stock for the control); the
@@ -233,9 +238,7 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
            "--request", str(folder / "request.json"),
            "--out", str(folder / "samples.json")]  # fmt: skip
     cmd += ["--device", cfg.device] + (["--stock"] if layout.stock else [])
-    native = (
-        layout.stock and cfg.device == "cuda" and importlib.util.find_spec("sgl_kernel") is None
-    )
+    native = layout.stock and cfg.device == "cuda" and not sgl_kernel_installed()
     # The native ops' MoE (moe_forward_native) reads its expert counts back to the host, which a
     # graph capture refuses: that control decodes eagerly.
     cmd += ["--eager"] if layout.eager or native else []
