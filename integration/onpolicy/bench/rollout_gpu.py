@@ -19,7 +19,6 @@ decoding eagerly (their MoE reads expert counts back to the host, which a captur
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from onpolicy.contract import load_config, model_checkpoint, resolve_plan, stock_env
-    from onpolicy.rollout.engine import engine_env
+    from onpolicy.rollout.engine import engine_env, sgl_kernel_installed
 
     cfg = load_config(args.config)
     if cfg.device != "cuda":
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = model_checkpoint(cfg, tmp)
         base = {**os.environ, **resolve_plan(cfg).rollout_env}
         envs = {"exact": base, "stock": stock_env(base)}
-        native = importlib.util.find_spec("sgl_kernel") is None
+        native = not sgl_kernel_installed()
         if native:  # its MoE reads expert counts back to the host: no graph capture
             envs["stock"] = {**envs["stock"], "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
         times = {e: run_engine(e, ckpt, args, engine_env(1, tmp / e, "cuda", base=envs[e]), tmp,
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         stock = r["stock"][k]
         rows.append(f"| {k} | {stock:.0f} | {exact:.0f} | {exact / stock:.2f} |")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    kernel = "installed" if importlib.util.find_spec("sgl_kernel") else "not installed"
+    kernel = "not installed" if native else "installed"
     intro = (
         f"`python -m onpolicy.bench.rollout_gpu --context {args.context} --new-tokens "
         f"{args.new_tokens} --prefill {args.prefill} --reps {args.reps}` (`nox -s bench -- "

@@ -16,7 +16,6 @@ the first differing token: sample, position, token id, both values and their bit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -41,7 +40,7 @@ from onpolicy.contract import (
 )
 from onpolicy.layout import ParallelLayout
 from onpolicy.rendezvous import run_group, torchrun
-from onpolicy.rollout.engine import RolloutRequest, engine_env
+from onpolicy.rollout.engine import RolloutRequest, engine_env, sgl_kernel_installed
 from onpolicy.segments import KSegments
 
 INTEGRATION = Path(onpolicy.__file__).resolve().parents[1]
@@ -218,11 +217,6 @@ def _run(what: str, cmd: list[str], env: dict, log: Path, timeout: float) -> Non
     if p.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise WorkerError(f"{what} exited {p.returncode}; log: {log}\n{tail}")
-
-
-def sgl_kernel_installed() -> bool:
-    """Whether SGLang's AOT CUDA kernels (sglang-kernel) can be imported here."""
-    return importlib.util.find_spec("sgl_kernel") is not None
 
 
 def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,

@@ -18,6 +18,7 @@ engine, so an engine lives in a process of its own (`rollout.host`, a rollout ac
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -153,7 +154,15 @@ def sglang_origin() -> str:
     return sglang.__file__
 
 
+def sgl_kernel_installed() -> bool:
+    """Whether SGLang's AOT CUDA kernels (sglang-kernel) import here: without them SGLang's stock
+    CUDA path runs its torch ops (the H200 test host cannot install them)."""
+    return importlib.util.find_spec("sgl_kernel") is not None
+
+
 # --- sampling -------------------------------------------------------------------------------
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutRequest:
     """What one rollout samples: prompts, lengths, temperature, seeds."""
