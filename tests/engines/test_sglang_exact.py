@@ -40,6 +40,13 @@ pytestmark = pytest.mark.timeout(2400)  # the TP1 worker's engines, run by its f
 WORKER = Path(__file__).parent / "workers" / "sglang_exact.py"
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2-ep2": (2, 2)}
+CUDA_KV_BRANCH = Path(__file__).parent / "cuda_kv_branch"
+CUDA_KV_LAYOUTS = ("tp2",)
+"""Layouts whose engines take SGLang's CUDA branch of the fused-KV-write decision (its
+sitecustomize): with a bf16 pool that branch leaves the KV write to a fused RoPE kernel the
+exact path does not run, so every check of these engines also holds the exact path to writing
+its own cache (unwritten on an H100 before the route-RoPE patch said no). Only exact engines:
+the stock TP2 EP2 engine's torch RoPE refuses the fused write outright."""
 DTYPES = ("bfloat16", "float32")
 NEW = 10
 """Tokens sampled per request."""
@@ -113,10 +120,11 @@ def _runs(layout: str) -> list[dict]:
     return runs
 
 
-def _env(tp: int, cache: Path, segments=None) -> dict[str, str]:
+def _env(tp: int, cache: Path, segments=None, cuda_kv_branch: bool = False) -> dict[str, str]:
     from onpolicy.rollout import engine_env
 
     overlay = [str(REPO / "build" / "upstream" / "sglang")] if _overlay() else []
+    overlay += [str(CUDA_KV_BRANCH)] if cuda_kv_branch else []
     path = [*overlay, str(REPO / "integration"), os.environ.get("PYTHONPATH", "")]
     env = {k: v for k, v in os.environ.items() if k != "ONPOLICY_K_SEGMENTS"}
     return {**env, **engine_env(tp, cache, segments=segments), "PYTHONPATH": os.pathsep.join(path)}
@@ -128,14 +136,17 @@ def _overlay() -> bool:
 
 
 def _run_worker(plan: dict, tp: int, tmp: Path, cache: Path, timeout: float = 1500,
-                segments=None) -> dict:  # fmt: skip
+                segments=None, cuda_kv_branch: bool = False) -> dict:  # fmt: skip
     """The worker's results; `segments` (a `KSegments`) goes to its ONPOLICY_K_SEGMENTS, else
-    the engines cut each row-parallel K into their own TP's segments."""
+    the engines cut each row-parallel K into their own TP's segments. `cuda_kv_branch`: SGLang's
+    fused-KV-write decision takes its CUDA branch in every process (CUDA_KV_BRANCH)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "plan.json").write_text(json.dumps(plan))
     out = tmp / "result.json"
     cmd = [sys.executable, str(WORKER), "--plan", str(tmp / "plan.json"), "--out", str(out)]
-    env = _env(tp, cache, segments)
+    env = _env(tp, cache, segments, cuda_kv_branch)
+    if cuda_kv_branch:
+        env["ONPOLICY_CUDA_KV_BRANCH_LOG"] = str(tmp / "cuda-kv-branch.pids")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         pytest.fail(f"exact SGLang worker (tp={tp}) exited {p.returncode}\n{p.stderr[-8000:]}")
@@ -150,9 +161,12 @@ def engine_runs(tiny_checkpoint, tmp_path_factory, compile_cache):
     def get(layout: str) -> dict:
         plan = {"ckpt": str(tiny_checkpoint), "runs": _runs(layout)}
         tmp = tmp_path_factory.mktemp(f"sglang-exact-{layout}")
-        res = _run_worker(plan, LAYOUTS[layout][0], tmp, compile_cache)["runs"]
+        res = _run_worker(plan, LAYOUTS[layout][0], tmp, compile_cache,
+                          cuda_kv_branch=layout in CUDA_KV_LAYOUTS)["runs"]  # fmt: skip
         for name, r in res.items():
             print(f"[{layout} {name}] engine start + plan: {r['seconds']:.1f} s ({r['sglang']})")
+        if layout in CUDA_KV_LAYOUTS:
+            res["cuda_kv_branch_pids"] = (tmp / "cuda-kv-branch.pids").read_text().split()
         return res
 
     return get
@@ -211,6 +225,8 @@ def test_sampled_logprobs_equal_reference_score(engine_runs, reference, layout, 
     temps = {req["temperature"] for req, _ in _answers(run)}
     print(f"[{layout} {dtype}] decode == score: {total - bad}/{total} tokens equal, T in {temps}")
     assert temps == {1.0, 0.7}
+    if layout in CUDA_KV_LAYOUTS:  # every TP rank's scheduler took the CUDA branch
+        assert len(set(engine_runs(layout)["cuda_kv_branch_pids"])) >= LAYOUTS[layout][0]
     assert bad == 0, f"{layout} {dtype}: {bad}/{total} log-probs differ\n" + "\n".join(reports)
 
 

@@ -10,7 +10,8 @@ do no such write, so there the answer must be no and the attention saves them:
   runs where sgl-kernel is absent: RoPE's forward_native refuses the argument.
 
 The function's CUDA branch runs on this CPU machine with a bf16 pool; the control is the same
-pool with neither, where upstream's answer (yes) stands.
+pool with neither, where upstream's answer (yes) stands. tests/engines/test_sglang_exact.py runs
+its TP2 engines in that branch end to end.
 """
 
 from __future__ import annotations
