@@ -11,6 +11,7 @@ import os
 import random
 import struct
 import sys
+import time
 
 import pytest
 from onpolicy.grpo import metrics as M
@@ -220,10 +221,16 @@ def test_real_offline_wandb_run(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out = tmp_path / "run"
     ids = []
+    started = 0
     for start, steps in ((0, [1, 2]), (2, [3])):
+        # wandb names an offline run's folder by the second its run starts in: a resume in the
+        # fresh run's second would share that folder (a real resume never comes that soon)
+        while int(time.time()) <= started:
+            time.sleep(0.05)
         with MetricsLogger(out, run_name="tiny", config={"lr": 1e-3}, total_steps=3,
                            start_step=start, wandb_mode="auto", console=io.StringIO(),
                            progress=False) as log:  # fmt: skip
+            started = int(time.time())  # wandb's run has started by now
             assert log.wandb_mode == "offline"
             ids.append(log._run.id)
             assert log._run.config["lr"] == 1e-3
