@@ -193,7 +193,8 @@ def test_filtered_run_is_on_policy_and_resumes(runs):
 def test_a_resume_with_nothing_left_to_run_is_refused_before_any_write(runs, monkeypatch,
                                                                       capsys):  # fmt: skip
     """--resume of the finished run (`latest` is step 4, the run is 4 steps): exit 2 naming
-    the rule, before anything in the folder is written."""
+    the rule, before anything in the folder is written; the same for a resume to step 6 whose
+    train file is missing."""
     from onpolicy.grpo.e2e import main
     from onpolicy.grpo.procs import RUN_ID_ENV
 
@@ -211,6 +212,14 @@ def test_a_resume_with_nothing_left_to_run_is_refused_before_any_write(runs, mon
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "[resume_step]" in err and "`latest` is step 4 and the run is 4 steps" in err, err
+    assert state() == before
+    # A resume refused at its data (checked after the resume point, with the run's tokenizer)
+    # keeps the run's config.json and everything else as they were.
+    missing = REPO / "no-such-train-file.jsonl"
+    args[args.index("--steps") + 1] = "6"
+    assert main([*args, *sets(f"data.train_file={json.dumps(str(missing))}")]) == 2
+    err = capsys.readouterr().err
+    assert "[data_file]" in err and str(missing) in err, err
     assert state() == before
 
 
@@ -266,7 +275,10 @@ def test_filtered_steps_keep_the_groups_with_signal_and_continue_the_stream(runs
 
 
 def test_bad_input_exits_2_before_any_engine(tmp_path, monkeypatch, capsys):
-    """Each refusal names its rule and starts nothing: no actors.json, no Ray."""
+    """Each refusal names its rule, starts nothing (no actors.json, no Ray) and leaves the fresh
+    --out as it found it: the cases share one folder, so each next case would meet `[run_out]`
+    if a refused run had left its config or seeded checkpoint behind."""
+    from onpolicy.fsutil import LOCK_NAME
     from onpolicy.grpo.e2e import main
     from onpolicy.grpo.procs import RUN_ID_ENV
 
@@ -283,11 +295,13 @@ def test_bad_input_exits_2_before_any_engine(tmp_path, monkeypatch, capsys):
         ({"data.eval_file": str(nolabel)}, "[data_keys]"),
         ({"grpo.prompts_per_step": 64, "grpo.steps": 2}, "[data_epochs]"),
     ]  # fmt: skip
-    for i, (overrides, rule) in enumerate(cases):
-        out = tmp_path / f"run{i}"  # a refused run leaves its config behind: a fresh --out each
+    out = tmp_path / "run"
+    for overrides, rule in cases:
         args = ["--config", str(CONFIG), "--out", str(out), "--set", "run.wandb_mode=disabled"]
         args += sets(*(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
         assert main(args) == 2, overrides
         err = capsys.readouterr().err
         assert rule in err, (overrides, err)
-        assert "engines up" not in err and not (out / "actors.json").exists(), err
+        assert "engines up" not in err, err
+        left = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+        assert left == [], (overrides, left)

@@ -156,10 +156,20 @@ class Driver:
                 raise
         problem = memory_saver_problem(self.e.cfg)  # before the run writes anything
         if problem:
+            self.release()
             raise RunError(problem, 2)
+        try:
+            # The data is checked with the checkpoint's tokenizer, so the seeded checkpoint of a
+            # fresh run comes first; config.json only once the data is accepted (a refused
+            # resume keeps the run's own).
+            self.ckpt = checkpoint(self.e.cfg, self.out)
+            self._make_task()  # every problem with the data is refused here, before Ray starts
+        except RunError:
+            if not self.resume:  # the folder was empty: a refused run leaves it so
+                self._clear_out()
+            self.release()
+            raise
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
-        self.ckpt = checkpoint(self.e.cfg, self.out)
-        self._make_task()  # every problem with the data is refused here, before Ray starts
         self._start_peaks()
         self.engine_info = self.cluster.start(self.ckpt, self.resume_from)
         write_atomic(self.out / "actors.json", json.dumps(self.cluster.pids, indent=1) + "\n")
@@ -515,6 +525,16 @@ class Driver:
         if self.task is not None:
             self.task.close()  # the reward pool's processes carry the run's id too
         return self.cluster.teardown(graceful)
+
+    def _clear_out(self) -> None:
+        """Remove what this fresh run wrote before a refusal (setup found its folder empty)."""
+        for p in self.out.iterdir():
+            if p.name == LOCK_NAME:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
     @property
     def owns_out(self) -> bool:
