@@ -59,7 +59,7 @@ def validate_main(argv: list[str]) -> int:
 
 def parity_main(argv: list[str]) -> int:
     """Exit 0 when every pair is bitwise equal, 1 on a mismatch, 2 for a refused config or
-    pair, 3 when a rollout or trainer process died."""
+    pair, 3 when a rollout or trainer process died (the other pairs' table is still printed)."""
     ap = argparse.ArgumentParser(
         prog="onpolicy parity",
         description="SGLang samples, Megatron scores the same tokens from the same checkpoint; "
@@ -109,11 +109,15 @@ def parity_main(argv: list[str]) -> int:
     except ContractError as e:
         print(f"onpolicy parity: {args.config}: {e}", file=sys.stderr)
         return 2
-    except WorkerError as e:
-        print(f"onpolicy parity: {e}", file=sys.stderr)
+    done = [r for r in results if not isinstance(r, WorkerError)]
+    if done:  # the pairs whose processes ran, even where another pair's died
+        print(format_table(done))
+    for p, r in zip(pairs, results, strict=True):
+        if isinstance(r, WorkerError):
+            print(f"onpolicy parity: {p.name}: {r}", file=sys.stderr)
+    if len(done) < len(results):
         return 3
-    print(format_table(results))
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok for r in done) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,27 +45,23 @@ def parity(tmp_path_factory):
             return done[t]
         run = ParityRun(config=str(CONFIG), workdir=work, new_tokens=NEW_TOKENS, temperature=t,
                         prompt_lengths=LENGTHS, seed=1, timeout=900, row_digests=True)  # fmt: skip
-        results, samples = {}, {}
-        # One rollout's pairs at a time: a control that fails to start must not hide the exact
-        # pairs' verdicts (a failed pair's tests re-raise its error).
-        by_rollout: dict[str, list[str]] = {}
-        for p in RUNS[t]:
-            by_rollout.setdefault(p.split(":")[0], []).append(p)
-        for name, pairs in by_rollout.items():
-            try:
-                found = run_pairs(run, [parse_pair(p) for p in pairs])
-            except WorkerError as e:
-                results.update((p, e) for p in pairs)
-                print(f"T={t} {name}: failed: {e}")
+        # A control that fails to start does not hide the exact pairs' verdicts: run_pairs
+        # gives a dead process's pairs its error (their tests re-raise it), and the pairs
+        # sharing a trainer layout share one job.
+        found = run_pairs(run, [parse_pair(p) for p in RUNS[t]])
+        results, samples = dict(zip(RUNS[t], found, strict=True)), {}
+        for pair, r in results.items():
+            if isinstance(r, WorkerError):
+                print(f"T={t} {pair}: failed: {r}")
                 continue
-            for r in found:
-                results[r.pair] = r
-                first = "" if r.first is None else f"; {r.first.describe()}"
-                print(f"T={t} {r.pair}: {r.equal} of {r.compared} equal, rows {r.rows_equal} of "
-                      f"{r.rows_compared}{first}; {r.first_row}")  # fmt: skip
+            first = "" if r.first is None else f"; {r.first.describe()}"
+            print(f"T={t} {pair}: {r.equal} of {r.compared} equal, rows {r.rows_equal} of "
+                  f"{r.rows_compared}{first}; {r.first_row}")  # fmt: skip
+        for name in {p.split(":")[0] for p in RUNS[t]}:
             f = work / f"rollout-{name}-s1-1" / "samples.json"
-            samples[name] = json.loads(f.read_text())
-            f.rename(f.with_name(f"samples-t{t}.json"))
+            if f.exists():
+                samples[name] = json.loads(f.read_text())
+                f.rename(f.with_name(f"samples-t{t}.json"))
         done[t] = results, samples
         return done[t]
 

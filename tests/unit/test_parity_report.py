@@ -3,6 +3,7 @@ the refusals (contract rules, bad specs) before anything starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -223,3 +224,73 @@ def test_the_cuda_stock_control_without_sgl_kernel_runs_torch_ops_eagerly(
     native = rollout == "tp1-stock" and not kernel
     assert ("--eager" in seen["cmd"]) is native
     assert (seen["env"].get("SGLANG_FORCE_FUSED_OP_BACKEND") == "torch") is native
+
+
+# --- which processes run: one rollout per engine, one trainer job per training side -----------
+PAIRS = ["tp1:world1", "tp1-stock:world1", "tp1:world1-stock"]
+ROLLOUT = "onpolicy.parity.rollout_worker"
+
+
+def fake_workers(monkeypatch, tmp_path, dies=lambda cmd: False) -> list[list[str]]:
+    """`parity.run`'s processes replaced by writers of their outputs (every rollout the same two
+    samples, every score equal to them); a command `dies` picks exits 1. The commands run, in
+    order."""
+    from onpolicy.parity import run as parity_run
+
+    samples, scores = rollout_and_scores()
+    calls: list[list[str]] = []
+
+    def fake_run(what, cmd, env, log, timeout):
+        calls.append(cmd)
+        if dies(cmd):
+            raise WorkerError(f"{what} exited 1; log: {log}")
+        if ROLLOUT in cmd:
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"samples": samples}))
+            return
+        for i, arg in enumerate(cmd):
+            if arg == "--score":
+                torch.save(scores, Path(cmd[i + 2]) / "scores.pt")
+
+    monkeypatch.setattr(parity_run, "_run", fake_run)
+    monkeypatch.setattr(parity_run, "model_checkpoint", lambda cfg, work: tmp_path / "ckpt")
+    return calls
+
+
+def _kinds(calls: list[list[str]]) -> list[tuple[str, int, bool]]:
+    """Per command: rollout or trainer, how many rollouts it scores, whether it is stock."""
+    return [("rollout" if ROLLOUT in c else "trainer", c.count("--score"), "--stock" in c)
+            for c in calls]  # fmt: skip
+
+
+def test_pairs_share_rollouts_and_trainer_jobs(monkeypatch, tmp_path):
+    from onpolicy.parity import ParityRun, run_pairs
+
+    calls = fake_workers(monkeypatch, tmp_path)
+    run = ParityRun(config=str(CONFIG), workdir=tmp_path)
+    results = run_pairs(run, [parse_pair(p) for p in PAIRS], log=lambda m: None)
+    # two engines (exact, stock); the exact spec's job scores both rollouts, the local spec's one
+    assert _kinds(calls) == [("rollout", 0, False), ("rollout", 0, True), ("trainer", 2, False),
+                             ("trainer", 1, True)]  # fmt: skip
+    assert [r.pair for r in results] == PAIRS and all(r.ok for r in results)
+
+
+@pytest.mark.parametrize("dead", ["stock engine", "local-spec trainer"])
+def test_a_dead_process_fails_only_the_pairs_that_need_it(monkeypatch, tmp_path, capsys, dead):
+    """A stock engine that dies fails tp1-stock:world1 alone; a local-spec trainer job that dies
+    fails tp1:world1-stock alone. The other pairs are still scored and compared; the CLI prints
+    their table and exits 3, naming the dead pair."""
+    engine = dead == "stock engine"
+    calls = fake_workers(monkeypatch, tmp_path,
+                         dies=lambda c: "--stock" in c and (ROLLOUT in c) == engine)  # fmt: skip
+    code = main(["parity", "--config", str(CONFIG), "--pairs", *PAIRS, "--workdir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    gone = "tp1-stock:world1" if engine else "tp1:world1-stock"
+    assert code == 3, (out, err)
+    assert f"onpolicy parity: {gone}: " in err and " exited 1; log: " in err, err
+    rows = [line.split()[0] for line in out.splitlines()[1:] if line.strip()]
+    assert rows == [p for p in PAIRS if p != gone] and "DIFFER" not in out, out
+    scored = [k for k in _kinds(calls) if k[0] == "trainer"]
+    # a dead engine's pair is not scored: the exact spec's job scores the one rollout left
+    want = [("trainer", 1, False), ("trainer", 1, True)] if engine else [
+        ("trainer", 2, False), ("trainer", 1, True)]  # fmt: skip
+    assert scored == want, scored

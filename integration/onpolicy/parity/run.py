@@ -8,10 +8,13 @@ For each layout pair (a rollout engine's TP/EP, a trainer's TP/PP/EP/ETP/SP) of 
    same K segments (the pair's `contract.k_segments`, in both sides' ONPOLICY_K_SEGMENTS)
    share it;
 3. Megatron at the training layout scores prompt + completion by forward_only
-   (`onpolicy.parity.trainer_worker` under torchrun);
+   (`onpolicy.parity.trainer_worker` under torchrun); pairs with the same training side (layout,
+   spec and environment) share one job, which builds the model once and scores each of their
+   rollouts;
 4. each generated token's two fp32 log-probs are compared as bits (`onpolicy.compare`).
 The table says, per pair, how many tokens are equal of how many compared; a mismatch names
-the first differing token: sample, position, token id, both values and their bits in hex.
+the first differing token: sample, position, token id, both values and their bits in hex. A
+rollout or trainer process that dies fails only the pairs that need it.
 """
 
 from __future__ import annotations
@@ -251,55 +254,104 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
     return json.loads((folder / "samples.json").read_text())["samples"]
 
 
-def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair, samples_file: Path,
-                 folder: Path) -> tuple[dict[int, torch.Tensor], Digests | None]:  # fmt: skip
-    """Megatron's log-probs of every sample at the pair's training layout, by sample index,
-    and with `run.row_digests` and an exact rollout (the stock sampler records none) each
-    position's whole-row digest, else None."""
-    layout = pair.training
-    rows = run.row_digests and not pair.rollout.stock
+Scores = tuple[dict[int, torch.Tensor], Digests | None]
+"""Megatron's fp32 log-probs of one rollout's samples by sample index, and their row digests."""
+
+
+def train_scores(run: ParityRun, cfg: RunConfig, ckpt: Path, pair: Pair,
+                 rollouts: list[Path], folder: Path) -> dict[Path, Scores]:  # fmt: skip
+    """One trainer job at the pair's training side scores the samples of every rollout folder in
+    `rollouts` (the model is built once). Per rollout folder: Megatron's log-probs by sample
+    index, and with `run.row_digests` each position's whole-row digest (None without; a stock
+    rollout's are computed with its job's and left unused: the stock sampler records none)."""
+    rows = run.row_digests
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "scores.pt").unlink(missing_ok=True)
-    (folder / "digests.pt").unlink(missing_ok=True)
-    cmd = torchrun(layout.world, "-m", "onpolicy.parity.trainer_worker", "--ckpt", str(ckpt),
-                   "--samples", str(samples_file), "--out", str(folder), "--dtype",
-                   cfg.model.dtype, "--temperature", str(run.temperature),
-                   "--device", cfg.device, *layout.cli_args())  # fmt: skip
+    outs = {r: folder / r.name for r in rollouts}
+    cmd = torchrun(pair.training.world, "-m", "onpolicy.parity.trainer_worker", "--ckpt",
+                   str(ckpt), "--dtype", cfg.model.dtype, "--temperature", str(run.temperature),
+                   "--device", cfg.device, *pair.training.cli_args())  # fmt: skip
+    for r, out in outs.items():
+        out.mkdir(exist_ok=True)
+        (out / "scores.pt").unlink(missing_ok=True)
+        (out / "digests.pt").unlink(missing_ok=True)
+        cmd += ["--score", str(r / "samples.json"), str(out)]
     cmd += ["--stock"] if pair.training_stock else []
     cmd += ["--row-digests"] if rows else []
     env = _env(resolve_plan(cfg).training_env)
     _run(f"trainer {pair.training_name}", cmd, env, folder / "trainer.log", run.timeout)
-    scores = torch.load(folder / "scores.pt", weights_only=True)
-    return scores, torch.load(folder / "digests.pt", weights_only=True) if rows else None
+    return {r: (torch.load(out / "scores.pt", weights_only=True),
+                torch.load(out / "digests.pt", weights_only=True) if rows else None)
+            for r, out in outs.items()}  # fmt: skip
 
 
-def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult]:
-    """Check every pair (contract first, all of them, before anything starts), run one rollout
-    per distinct rollout layout and K segments (S depends on both sides' TPs), one trainer job
-    per pair, and compare."""
+def run_pairs(run: ParityRun, pairs: list[Pair], log=print) -> list[PairResult | WorkerError]:
+    """Check every pair (contract first, all of them, before anything starts); run one rollout
+    per distinct rollout layout and K segments (S depends on both sides' TPs), then one trainer
+    job per distinct training side (layout, spec and environment) scoring every rollout its
+    pairs name; compare. The results follow `pairs`. A rollout or trainer process that dies
+    fails only the pairs that need it: their entry is its WorkerError, the others still run."""
     configs = {p: pair_config(run.config, run.overrides, p) for p in pairs}
     workdir = Path(run.workdir)
     first = configs[pairs[0]]
     ckpt = model_checkpoint(first, workdir)
     prompts = make_prompts(first, run.prompts, run.seed, run.prompt_lengths)
-    rollouts: dict[tuple[RolloutLayout, KSegments], tuple[Path, list[dict]]] = {}
-    results = []
+
+    def rollout_of(p: Pair) -> tuple[RolloutLayout, KSegments]:
+        return p.rollout, k_segments(configs[p])
+
+    rollouts: dict[tuple[RolloutLayout, KSegments], Path | WorkerError] = {}
+    samples: dict[Path, list[dict]] = {}
     for p in pairs:
-        cfg = configs[p]
-        key = (p.rollout, k_segments(cfg))
-        if key not in rollouts:
-            s = key[1]
-            folder = workdir / f"rollout-{p.rollout.name}-s{s.attention}-{s.experts}"
-            log(f"parity: rollout {p.rollout.name} ({len(prompts)} prompts x {run.new_tokens} "
-                f"tokens, T={run.temperature}, K segments {s.env_value()}) ...")  # fmt: skip
-            rollouts[key] = (folder, rollout(run, cfg, ckpt, p.rollout, prompts, folder))
-        folder, samples = rollouts[key]
-        log(f"parity: trainer {p.training_name} scores rollout {p.rollout.name} ...")
-        out = workdir / f"train-{p.training_name}-{p.rollout.name}"
-        scores, digests = train_scores(run, cfg, ckpt, p, folder / "samples.json", out)
-        result = compare(samples, scores, p.name)
-        result = result if digests is None else compare_rows(result, samples, digests)
-        rows = f", rows {result.rows_equal} of {result.rows_compared}" if digests else ""
+        key = rollout_of(p)
+        if key in rollouts:
+            continue
+        s = key[1]
+        folder = workdir / f"rollout-{p.rollout.name}-s{s.attention}-{s.experts}"
+        log(f"parity: rollout {p.rollout.name} ({len(prompts)} prompts x {run.new_tokens} "
+            f"tokens, T={run.temperature}, K segments {s.env_value()}) ...")  # fmt: skip
+        try:
+            samples[folder] = rollout(run, configs[p], ckpt, p.rollout, prompts, folder)
+            rollouts[key] = folder
+        except WorkerError as e:
+            log(f"parity: rollout {p.rollout.name} failed: {e}")
+            rollouts[key] = e
+
+    # The training side's environment holds the K segments: pairs that agree on it share a job.
+    jobs: dict[tuple[str, tuple], list[Pair]] = {}
+    for p in pairs:
+        if isinstance(rollouts[rollout_of(p)], Path):
+            env = tuple(sorted(resolve_plan(configs[p]).training_env.items()))
+            jobs.setdefault((p.training_name, env), []).append(p)
+    scored: dict[Pair, Scores | WorkerError] = {}
+    for members in jobs.values():
+        p = members[0]
+        folders = list(dict.fromkeys(rollouts[rollout_of(m)] for m in members))
+        s = k_segments(configs[p])
+        names = ", ".join(f.name.removeprefix("rollout-") for f in folders)
+        log(f"parity: trainer {p.training_name} scores {names} ...")
+        out = workdir / f"train-{p.training_name}-s{s.attention}-{s.experts}"
+        try:
+            found = train_scores(run, configs[p], ckpt, p, folders, out)
+        except WorkerError as e:
+            log(f"parity: trainer {p.training_name} failed: {e}")
+            scored.update((m, e) for m in members)
+            continue
+        scored.update((m, found[rollouts[rollout_of(m)]]) for m in members)
+
+    results: list[PairResult | WorkerError] = []
+    for p in pairs:
+        folder = rollouts[rollout_of(p)]
+        got = folder if isinstance(folder, WorkerError) else scored[p]
+        if isinstance(got, WorkerError):
+            results.append(got)
+            continue
+        scores, digests = got
+        result = compare(samples[folder], scores, p.name)
+        if digests is not None and not p.rollout.stock:
+            result = compare_rows(result, samples[folder], digests)
+        rows = (
+            f", rows {result.rows_equal} of {result.rows_compared}" if result.rows_compared else ""
+        )
         log(f"parity: {p.name}: {result.equal} of {result.compared} equal{rows}")
         results.append(result)
     return results

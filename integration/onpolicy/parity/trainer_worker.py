@@ -1,12 +1,13 @@
-"""The trainer side of `onpolicy parity`: Megatron scores the rollout's sequences (torchrun).
+"""The trainer side of `onpolicy parity`: Megatron scores rollouts' sequences (torchrun).
 
 `python -m torch.distributed.run --nproc-per-node=W -m onpolicy.parity.trainer_worker
---ckpt DIR --samples FILE --out DIR --tp .. --pp .. --ep .. --etp .. [--sp] [--stock]`. Every
-rank builds its shard of the model at that layout from the HF checkpoint and scores prompt +
-completion of every sample: the exact spec through `onpolicy.train.logprobs.logprobs` (packed
-THD micro-batches, each DP replica its share), or with `--stock` Megatron's local spec (one
-sequence per micro-batch, log_softmax of the gathered logits; the negative control). Global
-rank 0 writes `scores.pt`: {sample index: fp32 log-probs of tokens 1..len-1}.
+--ckpt DIR --score SAMPLES OUT [--score SAMPLES OUT ...] --tp .. --pp .. --ep .. --etp .. [--sp]
+[--stock]`. Every rank builds its shard of the model at that layout from the HF checkpoint once,
+then scores prompt + completion of every sample of each SAMPLES file: the exact spec through
+`onpolicy.train.logprobs.logprobs` (packed THD micro-batches, each DP replica its share), or with
+`--stock` Megatron's local spec (one sequence per micro-batch, log_softmax of the gathered
+logits; the negative control). Global rank 0 writes OUT/scores.pt for each: {sample index: fp32
+log-probs of tokens 1..len-1} (and with `--row-digests` OUT/digests.pt).
 """
 
 from __future__ import annotations
@@ -35,22 +36,23 @@ def score(args: argparse.Namespace) -> None:
                              device=args.device)  # fmt: skip
     model.eval()
 
-    samples = json.loads(Path(args.samples).read_text())["samples"]
-    seqs = [s["prompt"] + s["output_ids"] for s in samples]
-    digests = None
-    if args.stock:
-        found = stock_logprobs(model, seqs, args.temperature)
-        if found is not None:
-            values = [v for v, _ in found]
-            digests = [d for _, d in found] if args.row_digests else None
-    elif args.row_digests:
-        values, digests = logprobs(model, seqs, args.temperature, digests=True) or (None, None)
-    else:
-        values = logprobs(model, seqs, args.temperature)
-    if dist.get_rank() == 0:
-        torch.save(dict(enumerate(values)), Path(args.out) / "scores.pt")
-        if digests is not None:
-            torch.save(dict(enumerate(digests)), Path(args.out) / "digests.pt")
+    for samples_file, out in args.score:
+        samples = json.loads(Path(samples_file).read_text())["samples"]
+        seqs = [s["prompt"] + s["output_ids"] for s in samples]
+        digests = None
+        if args.stock:
+            found = stock_logprobs(model, seqs, args.temperature)
+            if found is not None:
+                values = [v for v, _ in found]
+                digests = [d for _, d in found] if args.row_digests else None
+        elif args.row_digests:
+            values, digests = logprobs(model, seqs, args.temperature, digests=True) or (None, None)
+        else:
+            values = logprobs(model, seqs, args.temperature)
+        if dist.get_rank() == 0:
+            torch.save(dict(enumerate(values)), Path(out) / "scores.pt")
+            if digests is not None:
+                torch.save(dict(enumerate(digests)), Path(out) / "digests.pt")
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -106,9 +108,10 @@ def stock_logprobs(model, seqs: list[list[int]], temperature: float) -> list | N
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="onpolicy.parity.trainer_worker", description=__doc__)
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--samples", required=True,
-                    help="the rollout's JSON (onpolicy.parity.rollout_worker)")  # fmt: skip
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--score", nargs=2, action="append", required=True,
+                    metavar=("SAMPLES", "OUT"),
+                    help="a rollout's JSON (onpolicy.parity.rollout_worker) and the folder of "
+                    "its scores; repeated, the model is built once")  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
