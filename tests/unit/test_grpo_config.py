@@ -48,6 +48,15 @@ def test_resolved_config_round_trips():
     assert again.grpo.steps == 5 and again.loss.kl_coef == 0.01
 
 
+def test_the_weight_sync_rendezvous_listens_on_the_bind_address():
+    """The sync group's store binds run.bind_address: set once, not kept in two keys."""
+    for bind in ("::1", "localhost"):
+        e = load_e2e_config(TINY, {"run.bind_address": bind})
+        assert e.sync.address == bind, e.sync
+    e = load_e2e_config(TINY, {"run.bind_address": "::1", "sync.address": "::1"})
+    assert e.sync.address == "::1"
+
+
 def test_the_contract_ignores_the_loop_tables_but_the_loop_checks_them():
     load_config(TINY)  # [grpo] and the rest are not the contract's keys, and not refused there
     with pytest.raises(ContractError, match=r"unknown config key 'grpo\.stepz'") as e:
@@ -71,6 +80,8 @@ def test_the_contract_ignores_the_loop_tables_but_the_loop_checks_them():
         ({"run.checkpoint_every": -1}, "run_config", ["run.checkpoint_every = -1"]),
         ({"run.wandb_mode": "loud"}, "run_config", ["'loud'"]),
         ({"run.bind_address": ""}, "run_config", ["run.bind_address is empty"]),
+        ({"sync.address": "0.0.0.0"}, "sync_address",
+         ["sync.address = '0.0.0.0' differs from run.bind_address = '127.0.0.1'"]),
         ({"run.ray_auth": "yes"}, "config_types", ["'run.ray_auth'", "expected bool"]),
         ({"task.num_bands": 0}, "task_config", ["num_bands"]),
         ({"training.world": 6}, "world_layout", ["training.world = 6"]),

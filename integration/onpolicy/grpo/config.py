@@ -268,6 +268,19 @@ def _resolve_reward(task: str, reward: RewardConfig) -> RewardConfig:
     return dataclasses.replace(reward, name=name)
 
 
+def _sync_at_bind_address(table: dict, sections: dict) -> SyncConfig:
+    """[sync] with its rendezvous on run.bind_address: nothing of the run listens elsewhere, so
+    a sync.address that names another address is refused rather than followed."""
+    sync, bind = sections["sync"], sections["run"].bind_address
+    if "address" in table and sync.address != bind:
+        raise ContractError(
+            "sync_address",
+            f"sync.address = {sync.address!r} differs from run.bind_address = {bind!r}",
+            "leave sync.address out: the weight-sync group listens on run.bind_address",
+        )
+    return dataclasses.replace(sync, address=bind)
+
+
 def _check_data(e: E2EConfig) -> None:
     d, v, g = e.data, e.eval, e.grpo
     dataset = e.task.name == "dataset"
@@ -336,6 +349,7 @@ def e2e_config_from_dict(data: dict, overrides: dict[str, object] | None = None,
         raise ContractError("config_types", "'task' must be a table", "write it as [task]")
     sections["task"] = task_config(task)
     sections["reward"] = _resolve_reward(sections["task"].name, sections["reward"])
+    sections["sync"] = _sync_at_bind_address(data.get("sync", {}), sections)
     e = E2EConfig(cfg=cfg, source=source, **sections)
     _check(e)
     return e

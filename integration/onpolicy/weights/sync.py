@@ -49,7 +49,7 @@ class SyncConfig:
     group_name: str = "onpolicy_weight_sync"
     """Name of the weight-update group on the engines."""
     address: str = "127.0.0.1"
-    """Address of the group's rendezvous, hosted by trainer rank 0."""
+    """Address of the group's rendezvous, hosted by trainer rank 0 (a run sets run.bind_address)."""
     timeout_s: float = 900.0
     """How long to wait for an engine's reply or the group's rendezvous."""
 
