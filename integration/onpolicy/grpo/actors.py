@@ -176,9 +176,7 @@ class TrainerSpec:
     ckpt: str
     """HF checkpoint the model starts from."""
     master_addr: str
-    """Address of the rendezvous (rank 0 binds it)."""
-    master_port: int
-    """Port of the rendezvous."""
+    """Address of the rendezvous (rank 0 binds it on a port of the OS's pick)."""
     optimizer: Any
     """`onpolicy.train.step.OptimizerSettings`."""
     loss: Any
@@ -201,9 +199,21 @@ class TrainerActor:
     def __init__(self, rank: int, spec: TrainerSpec) -> None:
         self.rank, self.spec = rank, spec
         self.sync = None
+        self._store = None
 
-    def setup(self) -> dict:
-        """Join the process group, build the model at the layout, load it, wrap it for training."""
+    def open_rendezvous(self) -> int:
+        """Rank 0: bind the process group's store on master_addr, port 0 (the OS's pick), and
+        return the port the other ranks join. Bound here and kept, never picked free and bound
+        later: another process could take a port in between."""
+        from onpolicy.rendezvous import tcp_store
+
+        s = self.spec
+        self._store = tcp_store(s.master_addr, 0, s.layout.world, is_master=True)
+        return self._store.port
+
+    def setup(self, master_port: int) -> dict:
+        """Join the process group (rank 0 through the store `open_rendezvous` bound, the others
+        at `master_port`), build the model at the layout, load it, wrap it for training."""
         from onpolicy.checkpoint import torch_dist
         from onpolicy.models.hf_layout import read_hf_checkpoint
         from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
@@ -217,7 +227,12 @@ class TrainerActor:
         if s.authkey:
             multiprocessing.current_process().authkey = bytes.fromhex(s.authkey)
         self.layout = s.layout
-        store = tcp_store(s.master_addr, s.master_port, s.layout.world, is_master=self.rank == 0)
+        if self.rank == 0:
+            if self._store is None:
+                raise RuntimeError("trainer rank 0: setup before open_rendezvous")
+            store = self._store
+        else:
+            store = tcp_store(s.master_addr, master_port, s.layout.world, is_master=False)
         init_parallel(s.layout, device=s.device, store=store, rank=self.rank)
         set_seed()
         self.cfg = Qwen3MoeConfig.from_hf(s.ckpt)

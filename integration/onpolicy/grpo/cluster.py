@@ -21,7 +21,7 @@ from onpolicy.contract.errors import ContractError
 from onpolicy.grpo import ray_auth
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.procs import RUN_ID_ENV, reap, state
-from onpolicy.rendezvous import LOOPBACK_HOSTS, free_port, loopback_env
+from onpolicy.rendezvous import LOOPBACK_HOSTS, loopback_env
 
 
 class RunError(RuntimeError):
@@ -58,7 +58,11 @@ class Cluster:
         self.times["ray_init_s"] = time.perf_counter() - t0
         self._place(ckpt, resume_from)
         starts = [(f"engine{i}", a.start.remote()) for i, a in enumerate(self.engines)]
-        setups = [(f"trainer rank {g}", a.setup.remote()) for g, a in enumerate(self.trainers)]
+        # Rank 0 binds the trainers' store first and names its port (no free port picked here
+        # and bound later, which another process could take in between).
+        (port,) = self.wait([("trainer rank 0", self.trainers[0].open_rendezvous.remote())],
+                            "start", self.e.run.start_timeout_s)  # fmt: skip
+        setups = [(f"trainer rank {g}", a.setup.remote(port)) for g, a in enumerate(self.trainers)]
         values = self.wait(starts + setups, "start", self.e.run.start_timeout_s)
         self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
         self.pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
@@ -134,7 +138,7 @@ class Cluster:
         t = c.training
         host = e.run.bind_address
         spec = TrainerSpec(layout=t, dtype=c.model.dtype, device=c.device, ckpt=str(ckpt),
-                           master_addr=host, master_port=free_port(host),
+                           master_addr=host,
                            optimizer=e.optimizer, loss=e.loss, sync=e.sync,
                            temperature=e.grpo.temperature,
                            micro_batch_tokens=e.grpo.micro_batch_tokens,
