@@ -487,6 +487,34 @@ def test_a_missing_source_is_refused_before_anything_is_written(pristine, tmp_pa
     ).read_bytes()
 
 
+def test_a_source_file_linked_outside_the_source_is_refused(pristine, tmp_path):
+    """The source's small files are copied into the output: a link out of the source folder
+    (a planted `tokenizer.model -> ~/.ssh/id_rsa`) is refused, not followed. A snapshot of the
+    HF hub cache, whose files link to ../../blobs, is copied."""
+    ck = read_hf_checkpoint(pristine)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN PRIVATE KEY-----\n")
+    src = tmp_path / "src"
+    shutil.copytree(pristine, src)
+    (src / "tokenizer.model").symlink_to(secret)
+    with pytest.raises(CheckpointError, match=r"rule hf_source_link") as e:
+        write_hf_checkpoint(tmp_path / "out", ck.config_json, ck.tensors, source=src)
+    assert str(src / "tokenizer.model") in str(e.value) and str(secret) in str(e.value)
+    assert not (tmp_path / "out").exists()
+    # The hub cache's layout: models--ORG--NAME/snapshots/REV/FILE -> ../../blobs/SHA256.
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in pristine.iterdir():
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / sha)
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / sha)
+    out = write_hf_checkpoint(tmp_path / "out", ck.config_json, ck.tensors, source=snap)
+    assert (out / "tokenizer.json").read_bytes() == (pristine / "tokenizer.json").read_bytes()
+    assert not (out / "tokenizer.json").is_symlink()
+
+
 def test_the_error_keeps_its_fields_across_processes(ckpt):
     (ckpt / "config.json").write_text("{")
     err = refused(ckpt, "hf_config", "config.json")

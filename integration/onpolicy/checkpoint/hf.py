@@ -98,14 +98,32 @@ def _refuse_existing(out: Path) -> None:
     raise CheckpointError("hf_out_exists", out, f"exists and is {what}; not overwritten")
 
 
+def _source_root(source: Path) -> Path:
+    """Where the source folder's links may point: the folder itself, or for a snapshot of the
+    HF hub cache (`models--ORG--NAME/snapshots/REV`, files linked to `../../blobs/HASH`) its
+    repository folder."""
+    root = source.resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return root.parent.parent
+    return root
+
+
 def _copy_source(source: Path, tmp: Path) -> None:
+    """Copy the source folder's tokenizer and other small files. A link is followed only into
+    the source's own folder (a hub snapshot's blobs): one pointing elsewhere would copy a file
+    the checkpoint does not hold (a key, a password file) into the output, so it is refused."""
+    root = _source_root(source)
     for f in sorted(source.iterdir()):
         name = f.name
         if (not f.is_file() or name.startswith(".") or name == "config.json"
                 or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json")
                 or name.startswith("onpolicy-")):  # fmt: skip
             continue
-        shutil.copyfile(f, tmp / name)  # follows hub-cache symlinks to the blob
+        target = f.resolve()
+        if f.is_symlink() and root not in target.parents:
+            raise CheckpointError("hf_source_link", f, f"links to {target}, outside the source "
+                                  f"checkpoint {root}; not copied")  # fmt: skip
+        shutil.copyfile(target, tmp / name)
         fsync_path(tmp / name)
 
 
