@@ -17,9 +17,10 @@ patched megatron-core, gloo/CPU, tiny Qwen3-MoE in bf16.
 - A writer SIGKILLed after its shards are on disk leaves the previous iteration loadable with
   its bits and `latest` unchanged; the next save of that iteration succeeds.
 - `onpolicy convert reshard` of the training checkpoint to world 2 EP2 keeps every tensor's
-  bits, the optimizer's included.
+  bits, the optimizer's included; `dist-to-hf` of it gives the trained weights (read from its
+  shards: the source HF folder its manifest records holds the untrained ones).
 
-Launches: three CLI jobs (world 8, world 1, world 2), three worker jobs (world 8, world 8,
+Launches: four CLI jobs (world 8, world 1, world 2, world 1), three worker jobs (world 8, world 8,
 world 1) and the killed one (world 1); each launch checks several things.
 """
 
@@ -120,6 +121,9 @@ def work(tmp_path_factory, tiny_checkpoint, torchrun) -> dict:
               *layout_args(layout))  # fmt: skip
     p = timed("reshard", convert, "reshard", "--ckpt", str(root / "train"), "--config",
               str(CONFIG), *sets(EP2), "--out", str(root / "reshard"))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    p = timed("dist-to-hf of train", convert, "dist-to-hf", "--ckpt", str(root / "train"),
+              "--out", str(root / "hf-train"))  # fmt: skip
     assert p.returncode == 0, p.stderr[-4000:]
     killed = timed("kill", kill_midway, common, root)
     timed("world1", torchrun, WORKER, 1, "--mode", "world1", *common)
@@ -281,6 +285,17 @@ def test_training_checkpoint_across_layouts(work, tiny_checkpoint):
         expected = hf_to_megatron(cfg, w1["model_only"]["hf"], SAVE, r, torch.bfloat16)
         for k, p in rec["p1"].items():
             assert_bitwise(expected[k], p, f"world-1 model-only load, rank {r} {k}")
+    # dist-to-hf reads the shards, not the source HF folder the manifest records: the trained
+    # checkpoint converts to the trained weights, which differ from the source's.
+    _, manifest = torch_dist.read_manifest(root / "train")
+    assert manifest["source_hf"] == str(tiny_checkpoint.resolve())
+    converted = read_hf_checkpoint(root / "hf-train", strict=False).tensors
+    trained = w1["model_only"]["hf"]
+    assert list(converted) == list(trained)
+    for k, t in trained.items():
+        assert_bitwise(converted[k], t, f"dist-to-hf of the trained checkpoint: {k}")
+    src = read_hf_checkpoint(tiny_checkpoint, strict=False).tensors
+    assert sum(n_differ(converted[k], src[k]) > 0 for k in src) > 0
 
 
 @pytest.mark.slow
