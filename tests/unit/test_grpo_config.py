@@ -80,8 +80,11 @@ def test_the_contract_ignores_the_loop_tables_but_the_loop_checks_them():
         ({"run.checkpoint_every": -1}, "run_config", ["run.checkpoint_every = -1"]),
         ({"run.wandb_mode": "loud"}, "run_config", ["'loud'"]),
         ({"run.bind_address": ""}, "run_config", ["run.bind_address is empty"]),
-        ({"sync.address": "0.0.0.0"}, "sync_address",
-         ["sync.address = '0.0.0.0' differs from run.bind_address = '127.0.0.1'"]),
+        (
+            {"sync.address": "0.0.0.0"},
+            "sync_address",
+            ["sync.address = '0.0.0.0' differs from run.bind_address = '127.0.0.1'"],
+        ),
         ({"run.ray_auth": "yes"}, "config_types", ["'run.ray_auth'", "expected bool"]),
         ({"task.num_bands": 0}, "task_config", ["num_bands"]),
         ({"training.world": 6}, "world_layout", ["training.world = 6"]),
