@@ -3,8 +3,9 @@ segment one chained tensor-core accumulation); that its bits do not depend on th
 the chunk width, the pipelining or TMA loads (the kernel's launch knobs, which the GEMM picks
 by M and S); that attention's tiles and two schedules (partitions merged in registers, or
 split over programs and merged through a workspace) and its device-tensor path give the same
-bits, while another partition width does not; and that the MoE's small-batch schedule (one
-tile per pair, gate and up in one launch) gives the sorted schedule's bits."""
+bits, while another partition width does not, and a `tl.sum` denominator (the tile test's
+control) moves with the tile; and that the MoE's small-batch schedule (one tile per pair, gate
+and up in one launch) gives the sorted schedule's bits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from adversarial import wide
 from onpolicy import kernels as K
-from onpolicy.bits import assert_bitwise
+from onpolicy.bits import assert_bitwise, n_differ
 from onpolicy.kernels.cuda import attention as A
 from onpolicy.kernels.cuda import linear as L
 from onpolicy.kernels.cuda import moe as M
@@ -86,31 +87,58 @@ def test_negative_control_a_shard_is_not_one_segment_of_another_s(k, tp):
     assert not torch.equal(K.row_parallel_linear(x, w, tp), K.linear(x, w))
 
 
-@pytest.mark.parametrize("cfg", [A.DECODE, A.PREFILL, (16, 2, 3), (32, 4, 3), (64, 8, 2),
-                                 (128, 4, 2)])  # fmt: skip
-def test_attention_tile_does_not_change_the_bits(cfg):
-    """Each attention tile (rows per program, warps, stages) gives the default tiles' bits on
-    one packed prefill and one paged decode of Qwen3-30B-A3B's heads: the denominator is the
-    pairwise tree over key columns, not `tl.sum`, whose order follows the threads' layout."""
+ATTENTION_TILES = [A.DECODE, A.PREFILL, (16, 2, 3), (32, 4, 3), (64, 8, 2), (128, 4, 2)]
+
+
+def _attention_at(tile: A.Tile | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed prefill and one paged decode of Qwen3-30B-A3B's heads, every launch at `tile`
+    (None: the tiles the shapes pick)."""
     n = 1100
     q = wide(n, 32, 128, seed=6, dtype=torch.bfloat16, spread=2, device="cuda")
     k = wide(n, 4, 128, seed=7, dtype=torch.bfloat16, spread=2, device="cuda")
     v = wide(n, 4, 128, seed=8, dtype=torch.bfloat16, spread=2, device="cuda")
-    ref = K.attention(q, k, v, [0, 700, n])
     dec_q = q[[699, n - 1]]
     kp, vp = k.view(n, 1, 4, 128), v.view(n, 1, 4, 128)
     table = torch.stack([torch.arange(n, device="cuda")] * 2)
     lens = torch.tensor([700, n], device="cuda")
     cu = torch.arange(3, device="cuda")
-    # Request 0's keys are rows 0..699 of the table, request 1's the whole sequence as one.
-    dec_ref = K.paged_attention(dec_q, kp, vp, cu, table, lens)
     saved = A.FORCE
-    A.FORCE = cfg
+    A.FORCE = tile
     try:
-        assert_bitwise(K.attention(q, k, v, [0, 700, n]), ref, f"prefill {cfg}")
-        assert_bitwise(K.paged_attention(dec_q, kp, vp, cu, table, lens), dec_ref, f"decode {cfg}")
+        # Request 0's keys are rows 0..699 of the table, request 1's the whole sequence as one.
+        return K.attention(q, k, v, [0, 700, n]), K.paged_attention(dec_q, kp, vp, cu, table,
+                                                                    lens)  # fmt: skip
     finally:
         A.FORCE = saved
+
+
+@pytest.mark.parametrize("cfg", ATTENTION_TILES)
+def test_attention_tile_does_not_change_the_bits(cfg):
+    """Each attention tile (rows per program, warps, stages) gives the default tiles' bits on
+    one packed prefill and one paged decode of Qwen3-30B-A3B's heads: the denominator is the
+    pairwise tree over key columns, not `tl.sum`, whose order follows the threads' layout."""
+    ref, dec_ref = _attention_at(None)
+    got, dec = _attention_at(cfg)
+    assert_bitwise(got, ref, f"prefill {cfg}")
+    assert_bitwise(dec, dec_ref, f"decode {cfg}")
+
+
+def test_negative_control_a_tl_sum_denominator_moves_with_the_tile():
+    """The tile test's harness with the denominator summed by `tl.sum` (the test-only
+    `PLAIN_DENOMINATOR`): some tile gives other bits than the default tiles, so the tile test
+    can fail, and the column tree is what it shows."""
+    A.PLAIN_DENOMINATOR = True
+    try:
+        ref, dec_ref = _attention_at(None)
+        moved = []
+        for cfg in ATTENTION_TILES:
+            got, dec = _attention_at(cfg)
+            n = n_differ(got, ref) + n_differ(dec, dec_ref)
+            moved += [(cfg, n)] if n else []
+    finally:
+        A.PLAIN_DENOMINATOR = False
+    print(f"tl.sum denominator: tiles whose bits moved (tile, elements): {moved}")
+    assert moved, "no tile moved the tl.sum denominator's bits: the tile test cannot fail"
 
 
 @pytest.fixture

@@ -52,6 +52,9 @@ PREFILL: Tile = (128, 8, 2)
 against 0.27 with 64 rows and four warps."""
 FORCE: Tile | None = None
 """Tests set this to run every launch at one tile (the bits must not change)."""
+PLAIN_DENOMINATOR = False
+"""Test-only: the denominator by `tl.sum` instead of the column tree, the negative control of
+the tile tests (its order follows the threads' layout, so the tile moves its bits)."""
 
 
 def tile_for(rows: int, requests: int) -> Tile:
@@ -97,7 +100,7 @@ def _columns_tree(v, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr):
 def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
                q_pos, row_ok, lo0, hi, kvh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr,
-               IEEE: tl.constexpr):  # fmt: skip
+               IEEE: tl.constexpr, PLAIN: tl.constexpr):  # fmt: skip
     """The state (m, l, acc) of keys [lo0, hi) for each row, from (-inf, 0, 0)."""
     d = tl.arange(0, D)
     m = tl.full((BM,), float("-inf"), tl.float32)
@@ -131,6 +134,8 @@ def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base
         m = tl.where(live, m_new, m)
         lcol = tl.where(live[:, None], lcol_new, lcol)
         acc = tl.where(live[:, None], acc_new, acc)
+    if PLAIN:  # the test-only control: an order the layout picks
+        return m, tl.sum(lcol, 1), acc
     return m, _columns_tree(lcol, BM, BN, LOG_BN), acc
 
 
@@ -140,6 +145,7 @@ def _attn_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     LOG_BN: tl.constexpr, P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    PLAIN: tl.constexpr,
 ):  # fmt: skip
     pid, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     req = tl.load(sched_ptr + pid)  # the schedule: 6 rows of n_tiles int64 (see _schedule)
@@ -166,7 +172,7 @@ def _attn_kernel(
         m, denom, acc = _partition(
             q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
             row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh, stride_vt,
-            stride_vh, scale, D, BM, BN, LOG_BN, IEEE,
+            stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN,
         )  # fmt: skip
         at = ((pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + part).to(tl.int64)
         st = ws_ptr + at * BM * (D + 2)
@@ -179,13 +185,13 @@ def _attn_kernel(
         m, denom, acc = _partition(
             q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
             row_ok, 0, tl.minimum(P, hi), kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-            scale, D, BM, BN, LOG_BN, IEEE,
+            scale, D, BM, BN, LOG_BN, IEEE, PLAIN,
         )  # fmt: skip
         for lo0 in range(P, hi, P):
             m_p, denom_p, acc_p = _partition(
                 q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
                 q_pos, row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
-                stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE,
+                stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN,
             )  # fmt: skip
             m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
             sees = q_pos >= lo0
@@ -290,7 +296,7 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
         scale, BN=KV_BLOCK, LOG_BN=KV_BLOCK.bit_length() - 1, P=KV_PARTITION, SPLIT=split,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, PLAIN=PLAIN_DENOMINATOR,
         num_stages=stages, **common,
     )  # fmt: skip
     if split:
