@@ -75,6 +75,24 @@ def test_a_garbage_resume_point_is_refused_before_anything_is_written(tmp_path, 
     assert not (out / "config.json").exists() and not list(out.glob("tiny-seed*")), _snapshot(out)
 
 
+def test_a_resume_with_another_model_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--resume with a [model] that is not the run's (another seed) would seed a second model
+    into the run folder: refused naming the rule and what the folder holds, nothing written."""
+    from onpolicy.contract import load_config, model_checkpoint_path
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("1\n")
+    runs = model_checkpoint_path(load_config(CONFIG), out)  # the run's seeded model (seed 0)
+    runs.mkdir()
+    before = _snapshot(out)
+    assert _main(out, "--resume", "--set", "model.seed=1") == 2
+    err = capsys.readouterr().err
+    assert "[resume_model]" in err and "seed 1" in err and runs.name in err, err
+    assert {k: v for k, v in _snapshot(out).items() if k != ".lock"} == before
+    assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == ["checkpoints", runs.name]
+
+
 def test_the_lock_is_exclusive_across_processes_and_released_on_close(tmp_path):
     folder = tmp_path / "f"
     other = textwrap.dedent(f"""

@@ -14,6 +14,7 @@ from onpolicy.contract.config import (
     from_dict,
     load_config,
     model_checkpoint,
+    model_checkpoint_path,
     model_shape,
     parse_override,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "k_segments",
     "load_config",
     "model_checkpoint",
+    "model_checkpoint_path",
     "model_shape",
     "parse_override",
     "plan_dict",

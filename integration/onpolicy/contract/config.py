@@ -157,17 +157,25 @@ def model_shape(model: ModelConfig) -> Qwen3MoeConfig:
         raise ContractError("model_shape", f"{where}: {e}", "fix the model's dims") from e
 
 
-def model_checkpoint(cfg: RunConfig, workdir: str | Path) -> Path:
-    """The config's HF folder, or the seeded tiny checkpoint under `workdir`, written once per
-    shape and seed."""
+def model_checkpoint_path(cfg: RunConfig, workdir: str | Path) -> Path:
+    """Where `model_checkpoint` finds the model: the config's HF folder, or the seeded tiny
+    checkpoint's folder under `workdir` (named by shape and seed), written or not."""
     if cfg.model.hf_path:
         return Path(cfg.model.hf_path)
     import hashlib
 
+    key = hashlib.sha256(repr((cfg.shape, cfg.model.seed)).encode()).hexdigest()[:12]
+    return Path(workdir) / f"tiny-seed{cfg.model.seed}-{key}"
+
+
+def model_checkpoint(cfg: RunConfig, workdir: str | Path) -> Path:
+    """The config's HF folder, or the seeded tiny checkpoint under `workdir`, written once per
+    shape and seed."""
+    out = model_checkpoint_path(cfg, workdir)
+    if cfg.model.hf_path:
+        return out
     from onpolicy.models.tiny import DONE, write_tiny_checkpoint
 
-    key = hashlib.sha256(repr((cfg.shape, cfg.model.seed)).encode()).hexdigest()[:12]
-    out = Path(workdir) / f"tiny-seed{cfg.model.seed}-{key}"
     if not (out / DONE).is_file():
         write_tiny_checkpoint(out, cfg.shape, seed=cfg.model.seed)
     return out

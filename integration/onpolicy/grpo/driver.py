@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from onpolicy.compare import Mismatch, compare, logprob_metrics
-from onpolicy.contract import ContractError
+from onpolicy.contract import ContractError, model_checkpoint_path
 from onpolicy.contract import model_checkpoint as checkpoint
 from onpolicy.fsutil import LOCK_NAME, FolderLocked, lock_folder, write_atomic
 from onpolicy.grpo.advantages import group_advantages
@@ -218,6 +218,14 @@ class Driver:
             raise RunError(f"[resume_step] --resume: `latest` is step {it} and the run is "
                            f"{self.last_step} steps: nothing left to run; ask for more with "
                            "--steps or grpo.steps", 2)  # fmt: skip
+        cfg = self.e.cfg
+        model = model_checkpoint_path(cfg, self.out)
+        if not cfg.model.hf_path and not model.is_dir():  # never a second seeded model here
+            held = sorted(p.name for p in self.out.glob("tiny-seed*")) or ["none"]
+            raise RunError(f"[resume_model] --resume: the config's [model] (seed "
+                           f"{cfg.model.seed}, its shape) is not the run's: no {model.name} in "
+                           f"{self.out} (it holds {', '.join(held)}); resume with the run's "
+                           "config.json", 2)  # fmt: skip
         self.resume_from, self.start_step = root, it
         for old, new in torch_dist.set_aside_newer(root):
             self.log(f"onpolicy e2e: warning: {old.name} is newer than `latest` ({it}), a save "
