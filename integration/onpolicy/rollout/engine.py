@@ -161,8 +161,6 @@ def sgl_kernel_installed() -> bool:
 
 
 # --- sampling -------------------------------------------------------------------------------
-
-
 @dataclass(kw_only=True, slots=True)
 class RolloutRequest:
     """What one rollout samples: prompts, lengths, temperature, seeds."""
