@@ -11,13 +11,7 @@ from adversarial import DEVICES, assert_bitwise, bitwise_equal, mismatch_report
 from onpolicy import kernels as K
 from onpolicy.models import tiny, write_tiny_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
-from onpolicy.models.reference import (
-    PagedKVCache,
-    Qwen3MoeReference,
-    Request,
-    request_seed,
-    sample_rows,
-)
+from onpolicy.models.reference import PagedKVCache, Qwen3MoeReference, Request
 
 DTYPES = ["bfloat16", "float32"]
 
@@ -209,57 +203,6 @@ def test_sampling_is_seeded_per_request(models):
     other = model.generate(p, max_new_tokens=20, temperature=1.0, seed=2)
     assert again[0].output == one[0].output
     assert other[0].output != one[0].output
-
-
-def _one_row(logits: torch.Tensor, t: float, seed: int) -> tuple[int, torch.Tensor]:
-    """One row [V] sampled alone, written out: Gumbel-max over log_softmax(row / T) with noise
-    from its own CPU generator (greedy: the first argmax), the log-prob by `token_logprobs`."""
-    if t == 0:
-        token = int(torch.argmax(logits))
-    else:
-        u = torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(seed))
-        token = int(
-            torch.argmax(K.log_softmax(K.scale_logits(logits, t)) - torch.log(-torch.log(u)))
-        )
-    return token, K.token_logprobs(logits[None], torch.tensor([token]), t or 1.0)
-
-
-def _rows_alone_differ(
-    sampler, logits: torch.Tensor, temps: list[float], seeds: list[int]
-) -> list[int]:
-    """The rows whose batched token or log-prob bits differ from the row sampled alone."""
-    tokens, lps = sampler(logits, temps, seeds)
-    bad = []
-    for i, (t, seed) in enumerate(zip(temps, seeds, strict=True)):
-        token, lp = _one_row(logits[i], t, seed)
-        if int(tokens[i]) != token or not bitwise_equal(lps[i : i + 1], lp):
-            bad.append(i)
-    return bad
-
-
-@pytest.mark.parametrize("vocab", [151, 1000, 151936])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sample_rows_gives_each_row_the_bits_it_has_alone(vocab, dtype):
-    """The sampler's batch of rows (mixed greedy, T 0.7 and 1.0) gives every row the token and
-    log-prob bits of that row sampled alone, in any order of the batch."""
-    g = torch.Generator().manual_seed(vocab)
-    logits = (torch.randn(7, vocab, generator=g) * 4).to(dtype)
-    temps = [0.7, 0.0, 1.0, 0.7, 1.0, 0.0, 0.7]
-    seeds = [request_seed(5, i, 3 * i) for i in range(7)]
-    assert _rows_alone_differ(sample_rows, logits, temps, seeds) == []
-    order = [3, 6, 0, 5, 1, 4, 2]
-    tokens, lps = sample_rows(logits, temps, seeds)
-    again = sample_rows(logits[order], [temps[i] for i in order], [seeds[i] for i in order])
-    assert again[0].tolist() == tokens[order].tolist()
-    assert bitwise_equal(again[1], lps[order])
-
-    def one_generator(logits, temps, seeds):  # the control: the batch's noise in one draw
-        u = torch.rand(logits.shape, generator=torch.Generator().manual_seed(seeds[0]))
-        tokens = torch.argmax(K.log_softmax(logits) - torch.log(-torch.log(u)), dim=-1)
-        return tokens, K.token_logprobs(logits, tokens)
-
-    ones = [1.0] * len(temps)
-    assert _rows_alone_differ(one_generator, logits, ones, seeds) != []
 
 
 # --- negative control -------------------------------------------------------------------------

@@ -266,11 +266,8 @@ class Qwen3MoeReference(nn.Module):
         )
         for r, end in zip(requests, ends, strict=True):
             r.kv_len = end
-        picked = [requests[i] for i in done]
-        seeds = [request_seed(r.seed, r.rid, len(r.output)) for r in picked]
-        tokens, lps = sample_rows(logits, [r.temperature for r in picked], seeds)
-        for r, token, lp in zip(picked, tokens.tolist(), lps.tolist(), strict=True):
-            r.append(token, lp)
+        for i, row in zip(done, logits, strict=True):
+            requests[i].append(*sample(row, requests[i]))
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
@@ -368,48 +365,22 @@ def request_seed(seed: int, rid: int, step: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def sample_rows(
-    logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B] int64, their log-probs [B] fp32), on the logits' device, from logits [B, V]:
-    row i sampled at temperatures[i] with noise from a CPU generator seeded seeds[i].
-
-    Greedy (temperature 0): the first argmax of the row, log-prob under log_softmax(row).
-    Otherwise Gumbel-max over log_softmax(row / T). The log-prob is `token_logprobs` on the same
-    row, the function `score` uses. A row's bits do not depend on the other rows: log_softmax and
-    token_logprobs are row-invariant (decode == score rests on that), the rest is elementwise or
-    an argmax, and each row's noise is drawn and transformed on its own.
-    """
-    n, vocab = logits.shape
-    # The noise is drawn on the CPU, so a request draws the same noise on every device; all rows'
-    # noise crosses to the device in one copy, and nothing here waits on the device.
-    slot = {i: j for j, i in enumerate(i for i in range(n) if temperatures[i] != 0)}
-    u = torch.empty((len(slot), vocab), dtype=torch.float32, pin_memory=logits.is_cuda)
-    for i, j in slot.items():
-        torch.rand(vocab, generator=torch.Generator().manual_seed(seeds[i]), out=u[j])
-    u = u.to(logits.device, non_blocking=True)
-    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-    lps = torch.empty(n, dtype=torch.float32, device=logits.device)
-    for t in dict.fromkeys(temperatures):
-        rows = [i for i in range(n) if temperatures[i] == t]
-        at = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        if t == 0:
-            tokens[at] = torch.argmax(logits[at], dim=-1)
-            continue
-        lp = K.log_softmax(K.scale_logits(logits[at], t))
-        # per row, so the host's elementwise loops see the shape `sample` always gave them
-        gumbel = torch.stack([torch.log(-torch.log(u[slot[i]])) for i in rows])
-        tokens[at] = torch.argmax(lp - gumbel, dim=-1)
-        lps[at] = K.token_logprobs(logits[at], tokens[at], t)
-    greedy = [i for i in range(n) if temperatures[i] == 0]
-    if greedy:
-        at = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-        lps[at] = K.token_logprobs(logits[at], tokens[at], 1.0)
-    return tokens, lps
-
-
 def sample(logits: torch.Tensor, req: Request) -> tuple[int, float]:
-    """(token, its log-prob) from one row of logits [V] for `req`'s next step (`sample_rows`)."""
-    seed = request_seed(req.seed, req.rid, len(req.output))
-    token, lp = sample_rows(logits[None], [req.temperature], [seed])
-    return int(token[0]), float(lp[0])
+    """(token, its log-prob) from one row of logits [V] for `req`'s next step.
+
+    Greedy (temperature 0): the first argmax of the logits, log-prob under log_softmax(logits).
+    Otherwise Gumbel-max over log_softmax(logits / T) with noise from the request's own
+    generator. The log-prob is `token_logprobs` on the same row, the function `score` uses.
+    """
+    t = req.temperature
+    if t == 0:
+        token = int(torch.argmax(logits))
+        t = 1.0
+    else:
+        # The noise is drawn on the CPU, so a request draws the same noise on every device.
+        gen = torch.Generator().manual_seed(request_seed(req.seed, req.rid, len(req.output)))
+        u = torch.rand(logits.shape[-1], generator=gen, dtype=torch.float32).to(logits.device)
+        lp = K.log_softmax(K.scale_logits(logits, t))
+        token = int(torch.argmax(lp - torch.log(-torch.log(u))))
+    lp_token = K.token_logprobs(logits[None], torch.tensor([token], device=logits.device), t)[0]
+    return token, float(lp_token)

@@ -1,12 +1,11 @@
-"""The exact path's sampler: `onpolicy.models.reference.sample_rows` inside SGLang.
+"""The exact path's sampler: `onpolicy.models.reference.sample`, row by row, inside SGLang.
 
 Each request draws its Gumbel noise from its own generator, seeded by
 `reference.request_seed(sampling_seed, 0, step)` where step counts the tokens it has already
 generated, so the draw does not depend on the batch, the TP rank or the device. The returned
 log-prob is `kernels.token_logprobs` of logits / T in the model dtype: the function the
-reference's `score` uses, so decode == score holds bit for bit. The batch's rows are sampled
-together (one copy of the noise to the device, no wait on it), each with the bits it has alone.
-Greedy requests (SGLang's top_k = 1) take the first argmax, with the log-prob at T = 1.
+reference's `score` uses, so decode == score holds bit for bit. Greedy requests (SGLang's
+top_k = 1) take the first argmax, with the log-prob at T = 1.
 
 `check_sampling_params` is that rule for one request: the tokenizer manager runs it at request
 validation (so a request outside it is refused before it reaches the scheduler) and the sampler
@@ -131,14 +130,22 @@ class OnpolicySampler(Sampler):
         min_ps = sampling_info.min_ps.view(-1).tolist()
         seeds = sampling_info.sampling_seed.view(-1).tolist()
         steps = (positions.view(-1) + 1 - sampling_info.prompt_lens.view(-1)).tolist()
-        for i in range(len(temps)):
+        tokens, lps, temps_used = [], [], []
+        for i, row in enumerate(logits):
             check_sampling_params(RowParams(top_ks[i], top_ps[i], min_ps[i]), vocab)
-        # greedy rows (top_k 1) take the first argmax; their log-probs are at temperature 1
-        sampled = [0.0 if k == 1 else t for k, t in zip(top_ks, temps, strict=True)]
-        temps_used = [1.0 if k == 1 else t for k, t in zip(top_ks, temps, strict=True)]
-        noise = [reference.request_seed(int(s), 0, max(0, int(n)))
-                 for s, n in zip(seeds, steps, strict=True)]  # fmt: skip
-        ids, lps = reference.sample_rows(logits, sampled, noise)
+            greedy = top_ks[i] == 1
+            req = reference.Request(
+                rid=0,
+                prompt=[],
+                temperature=0.0 if greedy else temps[i],
+                seed=int(seeds[i]),
+                output=[0] * max(0, int(steps[i])),
+            )
+            token, lp = reference.sample(row, req)
+            tokens.append(token)
+            lps.append(lp)
+            temps_used.append(1.0 if greedy else temps[i])
+        ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
         rows = None
         if self.digests is not None:
             rows = self._rows(logits, temps_used)
@@ -156,7 +163,8 @@ class OnpolicySampler(Sampler):
                     rows, top_logprobs_nums, token_ids_logprobs, ids
                 )
                 res.write_output_to(logits_output)
-            logits_output.next_token_logprobs = lps
+            logits_output.next_token_logprobs = torch.tensor(lps, dtype=torch.float32,
+                                                             device=logits.device)  # fmt: skip
         return ids
 
 
