@@ -5,19 +5,23 @@ weights synced as CUDA IPC handles, the engine's memory released while the train
 - `base`: 5 steps; every step's abs_diff, kl and routing mismatch are 0, the synced weights'
   digests verified; each phase's peak GPU memory is recorded; after the run no process of it is
   left and the GPU uses no more memory than before it;
-- `stopped` + `resumed`: 2 steps with a checkpoint after each, then `--resume` to step 5: the
-  uninterrupted run's metrics and final weights, bit for bit;
+- `stopped` + `resumed`: 2 steps and a checkpoint, then `--resume` to step 5: the uninterrupted
+  run's metrics, bit for bit, among them the digest of the weights every engine holds after each
+  step's sync;
 - `stock`: the rollout on SGLang's stock CUDA path (the negative control) stops at step 1 naming
   the first differing token in hex, and `--bisect` names a layer and an op;
 - `interrupted`: Ctrl-C after step 1 gives exit 130 and the same clean state.
 
 Each run is the CLI in its own process (tests/e2e/cli_run.py). Needs Ray and torch-memory-saver
-on the host (docs/gpu-host.md: `gpu_lean install-loop`).
+on the host (docs/gpu-host.md: `gpu_lean install-loop`), and about 55 GB of disk: the seeded
+checkpoint (6.2 GB, written by `base`, then read by the other runs through model.hf_path) and one
+checkpoint with the optimizer's state (43 GB: bf16 weights, fp32 main weights, two Adam moments).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import sys
@@ -29,11 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from cli_run import (  # noqa: E402
     Run,
     assert_on_policy,
-    assert_same_weights,
     sets,
     steady,
     stopped_on_error,
-    weights,
 )
 from onpolicy.grpo.memory import gpu_memory_used  # noqa: E402
 
@@ -43,14 +45,34 @@ STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def cache(tmp_path_factory):
+    """The compile caches, shared by every run of the module."""
+    return tmp_path_factory.mktemp("one-gpu-cache")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, cache):
     root = tmp_path_factory.mktemp("one-gpu-e2e")
     before = gpu_memory_used()
     with stopped_on_error():
-        run = Run(CONFIG, root / "base", *sets("run.checkpoint_every=5"), steps=STEPS,
-                  cache=root / "cache")  # fmt: skip
+        run = Run(CONFIG, root / "base", steps=STEPS, cache=cache)
         run.wait(timeout=2400)
     return run, before, gpu_memory_used()
+
+
+@pytest.fixture(scope="module")
+def seeded(base, tmp_path_factory) -> Path:
+    """configs/one-gpu.toml with model.hf_path at the checkpoint `base` seeded, in place of its
+    [model.tiny] table: the same model, written once."""
+    run = base[0]
+    found = sorted(run.out.glob("tiny-seed0-*"))
+    assert len(found) == 1 and (found[0] / "config.json").is_file(), found
+    text = re.sub(r"\n\[model\.tiny\]\n(?:[^\[\n][^\n]*\n|\n)*", "\n", CONFIG.read_text())
+    assert "[model.tiny]" not in text and "\n[model]\n" in text
+    text = text.replace("\n[model]\n", f"\n[model]\nhf_path = {json.dumps(str(found[0]))}\n")
+    path = tmp_path_factory.mktemp("one-gpu-config") / "one-gpu-seeded.toml"
+    path.write_text(text)
+    return path
 
 
 def test_every_step_is_on_policy_on_one_gpu(base):
@@ -60,40 +82,45 @@ def test_every_step_is_on_policy_on_one_gpu(base):
     assert_on_policy(rows, STEPS, run.text)
     for r in rows:
         assert r["sync/verified_boxes"] > 0 and r["sync/bytes"] > 0, r
+        assert len(r["sync/weights_sha256"]) == 64, r
         assert r["time/release_s"] > 0 and r["time/resume_s"] > 0, r  # colocated: released
         peaks = {k: v for k, v in r.items() if k.startswith("memory/")}
         assert {f"memory/{p}_peak_mib" for p in ("rollout", "score", "release", "train",
                                                  "resume", "sync")} <= set(peaks), r  # fmt: skip
         print(f"step {r['step']}: time/step_s {r['time/step_s']:.1f}, " + ", ".join(
             f"{k} {v}" for k, v in sorted(peaks.items())))  # fmt: skip
+    # every step trained: each sync gave the engine other weights
+    assert len({r["sync/weights_sha256"] for r in rows}) == STEPS, rows
     assert "GPU memory after teardown" in run.text, run.text[-3000:]
     assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
     run.check_clean()
 
 
-def test_a_resume_after_step_2_continues_bit_for_bit(base, tmp_path):
+def test_a_resume_after_step_2_continues_bit_for_bit(base, seeded, cache, tmp_path):
     run = base[0]
     assert run.code == 0, run.text[-3000:]
     with stopped_on_error():
-        stopped = Run(CONFIG, tmp_path / "resumed", *sets("run.checkpoint_every=1"), steps=2,
-                      log="stopped", cache=run.out.parent / "cache")  # fmt: skip
+        stopped = Run(seeded, tmp_path / "resumed", *sets("run.checkpoint_every=2"), steps=2,
+                      log="stopped", cache=cache)  # fmt: skip
         assert stopped.wait(timeout=1800) == 0, stopped.text[-4000:]
         assert stopped.latest() == 2
-        resumed = Run(CONFIG, tmp_path / "resumed", "--resume",
-                      *sets("run.checkpoint_every=5"), steps=STEPS,
-                      cache=run.out.parent / "cache")  # fmt: skip
+        resumed = Run(seeded, tmp_path / "resumed", "--resume",
+                      *sets("run.checkpoint_every=0"), steps=STEPS, cache=cache)  # fmt: skip
         assert resumed.wait(timeout=1800) == 0, resumed.text[-4000:]
     assert "resumed at step 2" in resumed.text, resumed.text[-3000:]
-    assert [steady(r) for r in resumed.metrics()] == [steady(r) for r in run.metrics()]
-    assert_same_weights(weights(run.out, STEPS), weights(resumed.out, STEPS))
+    rows, want = resumed.metrics(), run.metrics()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
+    # The last step's digest is the final weights every engine holds, bit for bit.
+    assert rows[-1]["sync/weights_sha256"] == want[-1]["sync/weights_sha256"]
+    assert [steady(r) for r in rows] == [steady(r) for r in want]
     resumed.check_clean()
+    shutil.rmtree(resumed.out)  # 43 GB of optimizer state
 
 
-def test_the_stock_cuda_rollout_stops_at_step_1_and_bisect_names_the_op(tmp_path):
+def test_the_stock_cuda_rollout_stops_at_step_1_and_bisect_names_the_op(seeded, cache, tmp_path):
     overrides = sets("grpo.rollout_path=stock", "grpo.routing_check=false")
     with stopped_on_error():
-        run = Run(CONFIG, tmp_path / "stock", "--bisect", *overrides, steps=STEPS,
-                  cache=tmp_path / "cache")  # fmt: skip
+        run = Run(seeded, tmp_path / "stock", "--bisect", *overrides, steps=STEPS, cache=cache)
         code = run.wait(timeout=1800)
     assert code == 1, run.text[-4000:]
     rows = run.metrics()
@@ -108,10 +135,10 @@ def test_the_stock_cuda_rollout_stops_at_step_1_and_bisect_names_the_op(tmp_path
     run.check_clean()
 
 
-def test_ctrl_c_after_step_1_exits_130_and_leaves_nothing(tmp_path):
+def test_ctrl_c_after_step_1_exits_130_and_leaves_nothing(seeded, cache, tmp_path):
     before = gpu_memory_used()
     with stopped_on_error():
-        run = Run(CONFIG, tmp_path / "interrupted", steps=STEPS, cache=tmp_path / "cache")
+        run = Run(seeded, tmp_path / "interrupted", steps=STEPS, cache=cache)
         rows = run.out / "metrics.jsonl"
         assert run.until(lambda: rows.is_file() and rows.read_text().count("\n") >= 1), run.text
         run.proc.send_signal(signal.SIGINT)
@@ -120,4 +147,3 @@ def test_ctrl_c_after_step_1_exits_130_and_leaves_nothing(tmp_path):
     after = gpu_memory_used()
     assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
     run.check_clean()
-    shutil.rmtree(run.out, ignore_errors=True)

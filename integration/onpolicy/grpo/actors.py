@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +65,19 @@ class EngineSpec:
     and KV cache through torch-memory-saver; without it the release keeps them resident."""
 
 
+def preload_finds_cudart() -> None:
+    """Let the dynamic loader find the CUDA runtime that torch loaded: SGLang starts its
+    scheduler with torch-memory-saver's hook library in LD_PRELOAD, which needs libcudart, and
+    a pip-installed torch keeps libcudart in its own `nvidia/.../lib` folder, on no loader path.
+    A preload the loader cannot resolve is dropped with only a warning, and then nothing is
+    released."""
+    torch.cuda.init()
+    maps = Path("/proc/self/maps").read_text().split()
+    dirs = sorted({str(Path(w).parent) for w in maps if Path(w).name.startswith("libcudart.so")})
+    have = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    os.environ["LD_LIBRARY_PATH"] = ":".join(dirs + [d for d in have if d not in dirs])
+
+
 class RolloutActor:
     """One SGLang engine inside a Ray actor."""
 
@@ -90,6 +104,7 @@ class RolloutActor:
             extra["base_gpu_id"] = s.base_gpu_id
         if s.memory_saver:
             extra["enable_memory_saver"] = True
+            preload_finds_cudart()
         self.service = EngineService(s.ckpt, tp=s.tp, ep=s.ep, dtype=s.dtype, exact=s.exact,
                                      name=self.name, **extra)  # fmt: skip
         return self.service.info() | {"name": self.name}
@@ -317,6 +332,10 @@ class TrainerActor:
                             temperature=self.spec.temperature)  # fmt: skip
         self.iteration += 1
         self._settle()
+        if self.spec.device == "cuda":
+            # Hand the step's cached activation blocks back to the driver: a colocated engine
+            # takes its weights and KV cache back next, on the same GPU.
+            torch.cuda.empty_cache()
         if self.rank != 0:
             return None
         return {"loss": result.loss, "grad_norm": result.grad_norm,
@@ -351,6 +370,7 @@ class TrainerActor:
             return None
         return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
                 "verified_boxes": checked.boxes if checked else 0,
+                "weights_sha256": checked.sha256 if checked else "",
                 "seconds": time.perf_counter() - t0}  # fmt: skip
 
     def save(self, root: str, iteration: int) -> str:

@@ -450,6 +450,8 @@ class Driver:
             "perf/rollout_tokens_per_s": sum(lengths) / self._seconds["rollout"],
             "perf/train_tokens_per_s": trained["num_tokens"] / self._seconds["train"],
         }  # fmt: skip
+        if synced["weights_sha256"]:  # equal digests: the engines were given the same bits
+            metrics["sync/weights_sha256"] = synced["weights_sha256"]
         metrics |= {f"time/{k}_s": v for k, v in self._seconds.items()}
         if self.peaks is not None:
             metrics |= {f"memory/{k}_peak_mib": v for k, v in self.peaks.take().items()}

@@ -18,6 +18,7 @@ boxes of the trainer's tensors, and names every tensor and engine that differ.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -82,6 +83,9 @@ class CheckReport:
     tensors: int = 0
     boxes: int = 0
     mismatches: list[str] = field(default_factory=list)
+    sha256: str = ""
+    """One digest of every box the engines hold (name, box, the box's SHA-256, in the
+    trainer's tensor order): two syncs with equal digests gave the engines the same bits."""
 
 
 class WeightSync:
@@ -210,6 +214,7 @@ class WeightSync:
                             continue
                         wanted.setdefault(x["name"], []).append((e.name, r, x))
         seen = set()
+        held = hashlib.sha256()
         for name, t in self.gatherer.iterate():
             seen.add(name)
             report.tensors += 1
@@ -233,6 +238,8 @@ class WeightSync:
                 elif x["sha256"] != digest(part):
                     report.mismatches.append(f"{en} rank {r}: {name} box {x['box']} differs from "
                                              "the trainer's")  # fmt: skip
+                else:
+                    held.update(f"{en}/{r}/{name}/{x['box']}/{x['sha256']};".encode())
         if self.rank != 0:
             return None
         for name in sorted(set(wanted) - seen):
@@ -243,6 +250,7 @@ class WeightSync:
                 f"weight check: {len(report.mismatches)} of {report.boxes} boxes differ or are "
                 "missing:\n  " + "\n  ".join(report.mismatches[:20])
             )
+        report.sha256 = held.hexdigest()
         return report
 
     def close(self) -> None:
