@@ -9,6 +9,7 @@ of them is left.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -24,6 +25,8 @@ from onpolicy.grpo.procs import run_processes
 
 REPO = Path(__file__).resolve().parents[2]
 ABS_DIFF, KL = "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl"
+WANDB = "offline" if importlib.util.find_spec("wandb") else "disabled"
+"""The runs' wandb mode: offline where wandb is installed (the CPU suite), so its sink runs."""
 
 
 def sets(*kvs: str) -> list[str]:
@@ -76,7 +79,8 @@ class Run:
         env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the driver's own, not conftest's
         cmd = [sys.executable, "-m", "onpolicy.cli", "e2e", "--config", str(config), "--out",
                str(out), "--run-id", self.run_id, "--steps", str(steps),
-               "--set", "run.progress=false", "--set", "run.wandb_mode=offline", *args]  # fmt: skip
+               "--set", "run.progress=false", "--set", f"run.wandb_mode={WANDB}",
+               *args]  # fmt: skip
         if cache is not None:
             cmd += ["--set", f"run.cache_dir={json.dumps(str(cache))}"]
         self.log = out.parent / f"{log or out.name}.log"

@@ -60,6 +60,8 @@ class EngineSpec:
     "tensor" transport's file-descriptor handles are fetched with it."""
     mem_fraction: float = 0.5
     """SGLang's mem_fraction_static (`GRPOConfig.engine_mem_fraction`)."""
+    eager: bool = False
+    """Decode without CUDA graphs (the stock control on SGLang's native torch ops)."""
     memory_saver: bool = False
     """SGLang's enable_memory_saver (colocated on CUDA): `release_memory` then frees the weights
     and KV cache through torch-memory-saver; without it the release keeps them resident."""
@@ -102,6 +104,8 @@ class RolloutActor:
             extra["return_routed_experts"] = True
         if s.device == "cuda":
             extra["base_gpu_id"] = s.base_gpu_id
+        if s.eager:
+            extra["disable_cuda_graph"] = True
         if s.memory_saver:
             extra["enable_memory_saver"] = True
             preload_finds_cudart()

@@ -131,6 +131,7 @@ class Cluster:
 
         from onpolicy.contract import resolve_plan, stock_env
         from onpolicy.rollout import engine_env
+        from onpolicy.rollout.engine import sgl_kernel_installed
 
         plan = resolve_plan(c)
         share = 0.5 if c.rollout.colocate else 1.0
@@ -159,13 +160,19 @@ class Cluster:
                    **engine_env(r.tp, e.cache_dir, c.device)}  # fmt: skip
             if cuda:  # the engine places its TP ranks on GPUs base_gpu_id.. itself
                 env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+            native = not exact and cuda and not sgl_kernel_installed()
+            if native:
+                # Without sglang-kernel SGLang's CUDA ops have no AOT kernels: the stock control
+                # runs its native torch ops, whose MoE reads expert counts back to the host,
+                # which a graph capture refuses, so it decodes eagerly.
+                env["SGLANG_FORCE_FUSED_OP_BACKEND"] = "torch"
             es = EngineSpec(index=i, ckpt=str(ckpt), tp=r.tp, ep=r.ep, dtype=c.model.dtype,
                             device=c.device, exact=exact,
                             routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,
                             top_k=c.shape.num_experts_per_tok,
                             base_gpu_id=bundle if cuda else 0, authkey=self.authkey,
                             mem_fraction=e.grpo.engine_mem_fraction,
-                            memory_saver=cuda and r.colocate)  # fmt: skip
+                            memory_saver=cuda and r.colocate, eager=native)  # fmt: skip
             a = Rollout.options(runtime_env={"env_vars": env}, **at(bundle, share)).remote(es)
             self.engines.append(a)
             self.actors.append((f"engine{i}", a))

@@ -202,12 +202,6 @@ def _check(e: E2EConfig) -> None:
     if g.rollout_path not in ("exact", "stock"):
         raise ContractError("grpo_config", f"grpo.rollout_path = {g.rollout_path!r}",
                             "set it to 'exact' or 'stock'")  # fmt: skip
-    if g.rollout_path == "stock" and e.cfg.device != "cpu":
-        raise ContractError(
-            "grpo_config",
-            f"grpo.rollout_path = 'stock' on device {e.cfg.device!r}",
-            "the stock control runs on the CPU engine",
-        )
     for key in ("actor_timeout_s", "start_timeout_s"):
         if not (getattr(r, key) > 0 and math.isfinite(getattr(r, key))):
             raise ContractError("run_config", f"run.{key} = {getattr(r, key)}",

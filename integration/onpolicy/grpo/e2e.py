@@ -84,7 +84,7 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         console=None, run_id: str | None = None) -> int:  # fmt: skip
     """Run the config's GRPO loop; the exit code (see the module doc). `console` (default: the
     sys.stderr of the moment, not of import time) gets the run's messages."""
-    from onpolicy.grpo.metrics import MetricsLogger
+    from onpolicy.grpo.metrics import MetricsLogger, resolve_wandb_mode
 
     console = console if console is not None else sys.stderr
 
@@ -92,6 +92,11 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
         print(msg, file=console, flush=True)
 
     total = steps if steps is not None else e.grpo.steps
+    try:  # before anything starts: a wandb mode this Python cannot serve is refused here
+        resolve_wandb_mode(e.run.wandb_mode)
+    except ValueError as err:
+        say(f"onpolicy e2e: {err}")
+        return 2
     before = None
     if e.cfg.device == "cuda":  # teardown must give back what the run took, not all of it
         try:

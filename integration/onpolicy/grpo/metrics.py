@@ -178,11 +178,23 @@ def truncate_metrics(path: Path, start_step: int) -> int:
 
 
 def resolve_wandb_mode(mode: str, environ: dict[str, str] | None = None) -> str:
-    """Mode "auto" -> "online" with WANDB_API_KEY set, else "offline"; others pass through."""
+    """Mode "auto" -> "online" with WANDB_API_KEY set, else "offline", and "disabled" where
+    wandb is not installed (metrics.jsonl is the record); others pass through, and "online" or
+    "offline" without wandb is refused."""
+    import importlib.util
+
     if mode not in WANDB_MODES:
         raise ValueError(f"metrics: wandb_mode must be one of {WANDB_MODES}, got {mode!r}")
+    installed = importlib.util.find_spec("wandb") is not None
     if mode != "auto":
+        if mode != "disabled" and not installed:
+            raise ValueError(
+                f"metrics: wandb_mode = {mode!r} needs wandb, which this Python "
+                "cannot import; install it, or set run.wandb_mode = 'disabled'"
+            )
         return mode
+    if not installed:
+        return "disabled"
     env = os.environ if environ is None else environ
     return "online" if env.get("WANDB_API_KEY") else "offline"
 
