@@ -3,7 +3,8 @@ distributed optimizer) and one colocated exact SGLang engine (TP1, decode in CUD
 weights synced as CUDA IPC handles, the engine's memory released while the trainer trains.
 
 - `base`: 5 steps; every step's abs_diff, kl and routing mismatch are 0, the synced weights'
-  digests verified; each phase's peak GPU memory is recorded; after the run no process of it is
+  digests verified; each phase's lowest and peak GPU memory is recorded, and the engine's
+  release shows in them; after the run no process of it is
   left and the GPU uses no more memory than before it;
 - `stopped` + `resumed`: 2 steps and a checkpoint, then `--resume` to step 5: the uninterrupted
   run's metrics, bit for bit, among them the digest of the weights every engine holds after each
@@ -84,6 +85,10 @@ def test_every_step_is_on_policy_on_one_gpu(base):
         assert r["sync/verified_boxes"] > 0 and r["sync/bytes"] > 0, r
         assert len(r["sync/weights_sha256"]) == 64, r
         assert r["time/release_s"] > 0 and r["time/resume_s"] > 0, r  # colocated: released
+        # The release frees at least the engine's weights: the GPU in use while the trainer
+        # trains dips below its lowest reading during the rollout by the synced bytes or more.
+        freed = r["memory/rollout_low_mib"] - r["memory/train_low_mib"]
+        assert freed >= r["sync/bytes"] >> 20, (freed, r)
         peaks = {k: v for k, v in r.items() if k.startswith("memory/")}
         assert {f"memory/{p}_peak_mib" for p in ("rollout", "score", "release", "train",
                                                  "resume", "sync")} <= set(peaks), r  # fmt: skip

@@ -1,5 +1,5 @@
-"""The run's peak memory per phase (onpolicy.grpo.memory): the phase's highest reading, the
-readings at a short phase's start and end, and the run's summed resident size from its processes
+"""The run's memory per phase (onpolicy.grpo.memory): the phase's lowest and highest readings,
+the readings at a short phase's start and end, and the run's summed resident size from its processes
 alone."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from onpolicy.grpo.memory import PhasePeaks, run_rss_mib
 from onpolicy.grpo.procs import RUN_ID_ENV
 
 
-def test_each_phase_keeps_its_highest_reading():
+def test_each_phase_keeps_its_lowest_and_highest_reading():
     value = {"v": 10}
     peaks = PhasePeaks(lambda: value["v"], interval_s=0.01)
     try:
         with peaks.phase("rollout"):
             value["v"] = 500  # up and down inside the phase: the sampler sees the peak
+            time.sleep(0.2)
+            value["v"] = 5  # and the low
             time.sleep(0.2)
             value["v"] = 20
             time.sleep(0.05)
@@ -31,7 +33,7 @@ def test_each_phase_keeps_its_highest_reading():
         got = peaks.take()
     finally:
         peaks.close()
-    assert got == {"rollout": 500, "train": 30}, got
+    assert got == {"rollout": (5, 500), "train": (30, 30)}, got
 
 
 def test_a_phase_shorter_than_the_interval_gets_its_start_and_end_readings():
@@ -51,7 +53,7 @@ def test_a_phase_shorter_than_the_interval_gets_its_start_and_end_readings():
         assert peaks.take() == {}  # take empties
     finally:
         peaks.close()
-    assert len(seen) == 2 and got == {"sync": 200}, (seen, got)
+    assert len(seen) == 2 and got == {"sync": (100, 200)}, (seen, got)
 
 
 def test_the_runs_resident_size_counts_its_processes_and_no_others():

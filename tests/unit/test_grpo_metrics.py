@@ -4,6 +4,7 @@ progress bar, and one real offline wandb run."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -181,6 +182,18 @@ def test_wandb_mode_and_run_id(tmp_path):
     first = M.run_nonce(tmp_path, fresh=True)
     assert M.run_nonce(tmp_path, fresh=False) == first  # a resume reads it back
     assert M.run_nonce(tmp_path, fresh=True) != first  # a fresh run draws its own
+
+
+def test_without_wandb_auto_is_disabled_and_an_explicit_mode_is_refused(monkeypatch):
+    # An offline GPU host has no wandb: metrics.jsonl is then the record.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))  # fmt: skip
+    assert M.resolve_wandb_mode("auto", {"WANDB_API_KEY": "k"}) == "disabled"
+    assert M.resolve_wandb_mode("disabled", {}) == "disabled"
+    for mode in ("offline", "online"):
+        with pytest.raises(ValueError, match=f"wandb_mode = '{mode}' needs wandb.*'disabled'"):
+            M.resolve_wandb_mode(mode, {})
 
 
 def test_disabled_wandb_is_never_imported(tmp_path, monkeypatch):

@@ -213,7 +213,9 @@ def _optimizer_stepped(optimizer: Any) -> bool:
     from megatron.core.optimizer import ChainedOptimizer
 
     subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    mine = torch.tensor([int(all(len(s.optimizer.state) > 0 for s in subs))])
+    # NCCL reduces only CUDA tensors ("No backend type associated with device type cpu").
+    device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    mine = torch.tensor([int(all(len(s.optimizer.state) > 0 for s in subs))], device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MIN)
     return bool(mine.item())
 

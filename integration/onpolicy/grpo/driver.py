@@ -195,7 +195,7 @@ class Driver:
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
         """One phase of a step: its seconds into `self._seconds` (time/<name>_s) and, sampled
-        meanwhile, its peak memory (memory/<name>_peak_mib)."""
+        meanwhile, its lowest and peak memory (memory/<name>_low_mib, _peak_mib)."""
         t = time.perf_counter()
         with self.peaks.phase(name) if self.peaks is not None else nullcontext():
             yield
@@ -454,7 +454,8 @@ class Driver:
             metrics["sync/weights_sha256"] = synced["weights_sha256"]
         metrics |= {f"time/{k}_s": v for k, v in self._seconds.items()}
         if self.peaks is not None:
-            metrics |= {f"memory/{k}_peak_mib": v for k, v in self.peaks.take().items()}
+            for k, (low, peak) in self.peaks.take().items():
+                metrics |= {f"memory/{k}_low_mib": low, f"memory/{k}_peak_mib": peak}
         v = self.e.eval
         evals = self._dataset and self.task.eval is not None
         if evals and eval_due(step, self.last_step, v.every):

@@ -1,4 +1,5 @@
-"""The run's peak memory in each phase of a step, sampled while the driver names the phase.
+"""The run's lowest and peak memory in each phase of a step, sampled while the driver names the
+phase.
 
 On CUDA the reading is the memory in use on the host's GPUs, all processes included (one
 `nvidia-smi --loop-ms` process streams it), so an engine's pool and a trainer's tensors both
@@ -84,13 +85,14 @@ class GpuReader:
 
 
 class PhasePeaks:
-    """Peak readings of `probe` (MiB) per named phase: `with peaks.phase("train"): ...`, then
-    `take()` gives {phase: peak} of the phases since the last take."""
+    """The lowest and highest readings of `probe` (MiB) per named phase: `with
+    peaks.phase("train"): ...`, then `take()` gives {phase: (low, peak)} of the phases since the
+    last take. A colocated engine's release shows as the train phase's low below the rollout's."""
 
     def __init__(self, probe: Callable[[], int], interval_s: float = INTERVAL_S):
         self._probe, self._interval = probe, interval_s
         self._phase: str | None = None
-        self._peaks: dict[str, int] = {}
+        self._peaks: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, name="phase-peaks", daemon=True)
@@ -100,7 +102,8 @@ class PhasePeaks:
         value = self._probe()
         with self._lock:
             if self._phase is not None:
-                self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), value)
+                low, peak = self._peaks.get(self._phase, (value, value))
+                self._peaks[self._phase] = (min(low, value), max(peak, value))
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
@@ -121,7 +124,7 @@ class PhasePeaks:
             with self._lock:
                 self._phase = None
 
-    def take(self) -> dict[str, int]:
+    def take(self) -> dict[str, tuple[int, int]]:
         with self._lock:
             out, self._peaks = self._peaks, {}
         return out
