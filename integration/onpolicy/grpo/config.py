@@ -74,8 +74,8 @@ class GRPOConfig:
     true_on_policy: bool = True
     """Stop the run at the first step whose abs_diff or kl is not 0.0."""
     rollout_path: str = "exact"
-    """"exact": the engines run the onpolicy ops; "stock": SGLang's own CPU path (the negative
-    control of the assertion: the run must stop at step 1)."""
+    """"exact": the engines run the onpolicy ops; "stock": SGLang's own path, on CPU or CUDA
+    (the negative control of the assertion: the run must stop at step 1)."""
     verify_weights: bool = True
     """After every sync, check each engine rank's weights against the trainer's by digest."""
     routing_check: bool = True
