@@ -92,7 +92,8 @@ def test_every_step_is_on_policy_on_one_gpu(base):
         peaks = {k: v for k, v in r.items() if k.startswith("memory/")}
         assert {f"memory/{p}_peak_mib" for p in ("rollout", "score", "release", "train",
                                                  "resume", "sync")} <= set(peaks), r  # fmt: skip
-        print(f"step {r['step']}: time/step_s {r['time/step_s']:.1f}, " + ", ".join(
+        print(f"step {r['step']}: time/step_s {r['time/step_s']:.1f}, time/sync_s "
+              f"{r['time/sync_s']:.2f} (verify {r['time/sync_verify_s']:.2f}), " + ", ".join(
             f"{k} {v}" for k, v in sorted(peaks.items())))  # fmt: skip
     # every step trained: each sync gave the engine other weights
     assert len({r["sync/weights_sha256"] for r in rows}) == STEPS, rows

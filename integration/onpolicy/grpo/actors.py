@@ -368,6 +368,7 @@ class TrainerActor:
         rank's weights by digest. Stats on rank 0."""
         t0 = time.perf_counter()
         stats = self.sync.sync(version)
+        t1 = time.perf_counter()
         checked = self.sync.verify() if verify else None
         self._settle()
         if self.rank != 0:
@@ -375,6 +376,7 @@ class TrainerActor:
         return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
                 "verified_boxes": checked.boxes if checked else 0,
                 "weights_sha256": checked.sha256 if checked else "",
+                "verify_seconds": time.perf_counter() - t1 if checked else 0.0,
                 "seconds": time.perf_counter() - t0}  # fmt: skip
 
     def save(self, root: str, iteration: int) -> str:

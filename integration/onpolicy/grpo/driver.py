@@ -452,6 +452,7 @@ class Driver:
         }  # fmt: skip
         if synced["weights_sha256"]:  # equal digests: the engines were given the same bits
             metrics["sync/weights_sha256"] = synced["weights_sha256"]
+            metrics["time/sync_verify_s"] = synced["verify_seconds"]  # within time/sync_s
         metrics |= {f"time/{k}_s": v for k, v in self._seconds.items()}
         if self.peaks is not None:
             for k, (low, peak) in self.peaks.take().items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -27,7 +28,42 @@ PADDING = "(padding)"
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (contiguous, on the CPU): equal digests, equal bits."""
     flat = t.detach().contiguous().view(-1).cpu()
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+
+
+class Hasher:
+    """`digest` on a few threads: a sync checks gigabytes, and both the copy to the host and
+    hashlib's SHA-256 release the GIL. `submit` returns a future; at most two per thread wait
+    at a time, so the host copies, and any gathered tensor a waiting one keeps alive, stay
+    bounded."""
+
+    def __init__(self, threads: int = 8) -> None:
+        self.threads = max(1, min(threads, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="digest")
+        self._waiting: set[Future] = set()
+
+    def submit(self, t: torch.Tensor) -> Future:
+        while len(self._waiting) >= 2 * self.threads:
+            _done, self._waiting = wait(self._waiting, return_when=FIRST_COMPLETED)
+        f = self._pool.submit(digest, t)
+        self._waiting.add(f)
+        return f
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def digests(tensors: list[torch.Tensor]) -> list[str]:
+    """`digest` of each tensor, in order (`Hasher`)."""
+    with Hasher() as h:
+        futures = [h.submit(t) for t in tensors]
+        return [f.result() for f in futures]
 
 
 def _rows(start: int, stop: int, cols: int) -> Box:
@@ -108,10 +144,12 @@ def _expert_boxes(name: str, moe: torch.nn.Module, w: torch.Tensor, inter: int):
 def report(model: torch.nn.Module) -> list[dict]:
     """This rank's entries: {param, name (HF, "" if none), box, shape, dtype, sha256}; shape
     is what the rank holds for the box, so a box that does not fit is seen as such."""
+    held = held_boxes(model)
+    sums = digests([t for _p, _hf, _box, t in held])
     return [{"param": p, "name": hf, "box": box, "shape": list(t.shape),
-             "dtype": str(t.dtype).removeprefix("torch."), "sha256": digest(t),
+             "dtype": str(t.dtype).removeprefix("torch."), "sha256": sha,
              "zero": bool((t == 0).all()) if hf == PADDING else None}
-            for p, hf, box, t in held_boxes(model)]  # fmt: skip
+            for (p, hf, box, t), sha in zip(held, sums, strict=True)]  # fmt: skip
 
 
 def write_report(model: torch.nn.Module, path: str, tp_rank: int) -> None:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from onpolicy.rollout.engine import EngineHandle, EngineOp, join_update_group, tensor_payloads
-from onpolicy.rollout.weights import PADDING, digest
+from onpolicy.rollout.weights import PADDING, Hasher
 from onpolicy.weights.gather import Gatherer
 
 TRANSPORTS = ("distributed", "tensor")
@@ -215,29 +216,16 @@ class WeightSync:
                         wanted.setdefault(x["name"], []).append((e.name, r, x))
         seen = set()
         held = hashlib.sha256()
-        for name, t in self.gatherer.iterate():
-            seen.add(name)
-            report.tensors += 1
-            holders = wanted.get(name, [])
-            for e in self.engines:
-                boxes = [x["box"] for en, _r, x in holders if en == e.name]
-                if not covers(boxes, list(t.shape)):
-                    report.mismatches.append(f"{e.name}: {name} is not fully held by its ranks "
-                                             f"(boxes {boxes}, shape {list(t.shape)})")  # fmt: skip
-            for en, r, x in holders:
-                report.boxes += 1
-                part = t[tuple(slice(a, b) for a, b in x["box"])]
-                dtype = str(t.dtype).removeprefix("torch.")
-                if x["shape"] != list(part.shape):
-                    report.mismatches.append(f"{en} rank {r}: {name} box {x['box']} holds "
-                                             f"shape {x['shape']}, the box is "
-                                             f"{list(part.shape)}")  # fmt: skip
-                elif x["dtype"] != dtype:
-                    report.mismatches.append(f"{en} rank {r}: {name} held as {x['dtype']}, the "
-                                             f"trainer's is {dtype}")  # fmt: skip
-                elif x["sha256"] != digest(part):
-                    report.mismatches.append(f"{en} rank {r}: {name} box {x['box']} differs from "
-                                             "the trainer's")  # fmt: skip
+        hashed: list[tuple[str, int, str, dict, Future]] = []  # compared once all are hashed
+        with Hasher() as hasher:
+            for name, t in self.gatherer.iterate():
+                seen.add(name)
+                report.tensors += 1
+                self._check_tensor(name, t, wanted.get(name, []), report, hasher, hashed)
+            for en, r, name, x, future in hashed:
+                if x["sha256"] != future.result():
+                    report.mismatches.append(f"{en} rank {r}: {name} box {x['box']} differs "
+                                             "from the trainer's")  # fmt: skip
                 else:
                     held.update(f"{en}/{r}/{name}/{x['box']}/{x['sha256']};".encode())
         if self.rank != 0:
@@ -252,6 +240,30 @@ class WeightSync:
             )
         report.sha256 = held.hexdigest()
         return report
+
+    def _check_tensor(self, name: str, t: torch.Tensor, holders: list[tuple[str, int, dict]],
+                      report: CheckReport, hasher: Hasher,
+                      hashed: list[tuple[str, int, str, dict, Future]]) -> None:  # fmt: skip
+        """One trainer tensor against every box the engines report of it: coverage, shape and
+        dtype now, the box's digest submitted to `hasher` (compared by `verify`)."""
+        for e in self.engines:
+            boxes = [x["box"] for en, _r, x in holders if en == e.name]
+            if not covers(boxes, list(t.shape)):
+                report.mismatches.append(f"{e.name}: {name} is not fully held by its ranks "
+                                         f"(boxes {boxes}, shape {list(t.shape)})")  # fmt: skip
+        dtype = str(t.dtype).removeprefix("torch.")
+        for en, r, x in holders:
+            report.boxes += 1
+            part = t[tuple(slice(a, b) for a, b in x["box"])]
+            if x["shape"] != list(part.shape):
+                report.mismatches.append(f"{en} rank {r}: {name} box {x['box']} holds shape "
+                                         f"{x['shape']}, the box is "
+                                         f"{list(part.shape)}")  # fmt: skip
+            elif x["dtype"] != dtype:
+                report.mismatches.append(f"{en} rank {r}: {name} held as {x['dtype']}, the "
+                                         f"trainer's is {dtype}")  # fmt: skip
+            else:
+                hashed.append((en, r, name, x, hasher.submit(part)))
 
     def close(self) -> None:
         """Leave the engines' weight-update group (rank 0)."""
