@@ -206,6 +206,7 @@ def test_the_cuda_stock_control_without_sgl_kernel_runs_torch_ops_eagerly(
     capture refuses); with it installed, or on the exact path, neither switch is set."""
     from onpolicy.parity import ParityRun
     from onpolicy.parity import run as parity_run
+    from onpolicy.rollout import engine as rollout_engine
 
     seen = {}
 
@@ -214,7 +215,7 @@ def test_the_cuda_stock_control_without_sgl_kernel_runs_torch_ops_eagerly(
         (log.parent / "samples.json").write_text('{"samples": []}')
 
     monkeypatch.setattr(parity_run, "_run", fake_run)
-    monkeypatch.setattr(parity_run, "sgl_kernel_installed", lambda: kernel)
+    monkeypatch.setattr(rollout_engine, "sgl_kernel_installed", lambda: kernel)
     monkeypatch.delenv("SGLANG_FORCE_FUSED_OP_BACKEND", raising=False)
     pair = parse_pair(f"{rollout}:world1")
     one_gpu = CONFIG.with_name("one-gpu.toml")

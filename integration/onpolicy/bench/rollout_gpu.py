@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from onpolicy.contract import load_config, model_checkpoint, resolve_plan, stock_env
-    from onpolicy.rollout.engine import engine_env, sgl_kernel_installed
+    from onpolicy.rollout.engine import NATIVE_OPS_ENV, engine_env, stock_runs_native_ops
 
     cfg = load_config(args.config)
     if cfg.device != "cuda":
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = model_checkpoint(cfg, tmp)
         base = {**os.environ, **resolve_plan(cfg).rollout_env}
         envs = {"exact": base, "stock": stock_env(base)}
-        native = not sgl_kernel_installed()
-        if native:  # its MoE reads expert counts back to the host: no graph capture
-            envs["stock"] = {**envs["stock"], "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
+        native = stock_runs_native_ops(cfg.device)  # and decodes eagerly
+        if native:
+            envs["stock"] = {**envs["stock"], **NATIVE_OPS_ENV}
         times = {e: run_engine(e, ckpt, args, engine_env(1, tmp / e, "cuda", base=envs[e]), tmp,
                                eager=native and e == "stock")
                  for e in ("stock", "exact")}  # fmt: skip

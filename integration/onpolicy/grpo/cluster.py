@@ -131,7 +131,7 @@ class Cluster:
 
         from onpolicy.contract import resolve_plan, stock_env
         from onpolicy.rollout import engine_env
-        from onpolicy.rollout.engine import sgl_kernel_installed
+        from onpolicy.rollout.engine import NATIVE_OPS_ENV, stock_runs_native_ops
 
         plan = resolve_plan(c)
         share = 0.5 if c.rollout.colocate else 1.0
@@ -160,12 +160,9 @@ class Cluster:
                    **engine_env(r.tp, e.cache_dir, c.device)}  # fmt: skip
             if cuda:  # the engine places its TP ranks on GPUs base_gpu_id.. itself
                 env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-            native = not exact and cuda and not sgl_kernel_installed()
+            native = not exact and stock_runs_native_ops(c.device)  # and decodes eagerly
             if native:
-                # Without sglang-kernel SGLang's CUDA ops have no AOT kernels: the stock control
-                # runs its native torch ops, whose MoE reads expert counts back to the host,
-                # which a graph capture refuses, so it decodes eagerly.
-                env["SGLANG_FORCE_FUSED_OP_BACKEND"] = "torch"
+                env |= NATIVE_OPS_ENV
             es = EngineSpec(index=i, ckpt=str(ckpt), tp=r.tp, ep=r.ep, dtype=c.model.dtype,
                             device=c.device, exact=exact,
                             routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,

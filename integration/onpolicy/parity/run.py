@@ -43,7 +43,12 @@ from onpolicy.contract import (
 )
 from onpolicy.layout import ParallelLayout
 from onpolicy.rendezvous import run_group, torchrun
-from onpolicy.rollout.engine import RolloutRequest, engine_env, sgl_kernel_installed
+from onpolicy.rollout.engine import (
+    NATIVE_OPS_ENV,
+    RolloutRequest,
+    engine_env,
+    stock_runs_native_ops,
+)
 from onpolicy.segments import KSegments
 
 INTEGRATION = Path(onpolicy.__file__).resolve().parents[1]
@@ -235,9 +240,7 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
            "--request", str(folder / "request.json"),
            "--out", str(folder / "samples.json")]  # fmt: skip
     cmd += ["--device", cfg.device] + (["--stock"] if layout.stock else [])
-    native = layout.stock and cfg.device == "cuda" and not sgl_kernel_installed()
-    # The native ops' MoE (moe_forward_native) reads its expert counts back to the host, which a
-    # graph capture refuses: that control decodes eagerly.
+    native = layout.stock and stock_runs_native_ops(cfg.device)  # and decodes eagerly
     cmd += ["--eager"] if layout.eager or native else []
     if run.row_digests and not layout.stock:  # the sampler appends: a fresh folder per rollout
         shutil.rmtree(folder / "digests", ignore_errors=True)
@@ -246,9 +249,7 @@ def rollout(run: ParityRun, cfg: RunConfig, ckpt: Path, layout: RolloutLayout,
     base = {**os.environ, **plan.rollout_env}
     base = stock_env(base) if layout.stock else base
     if native:
-        # Without sglang-kernel SGLang's CUDA ops have no AOT kernels: the control runs its
-        # native torch ops (and its triton attention), still not the exact path.
-        base = {**base, "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
+        base = {**base, **NATIVE_OPS_ENV}
     env = _env(engine_env(layout.tp, folder, cfg.device, base=base))
     _run(f"rollout engine {layout.name}", cmd, env, folder / "rollout.log", run.timeout)
     return json.loads((folder / "samples.json").read_text())["samples"]

@@ -160,6 +160,19 @@ def sgl_kernel_installed() -> bool:
     return importlib.util.find_spec("sgl_kernel") is not None
 
 
+NATIVE_OPS_ENV = {"SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
+"""The environment of a stock engine that runs SGLang's native torch ops (and its Triton
+attention): still not the exact path."""
+
+
+def stock_runs_native_ops(device: str) -> bool:
+    """Whether SGLang's stock engine on `device` must run its native torch ops (NATIVE_OPS_ENV):
+    on CUDA without sglang-kernel its CUDA ops have no AOT kernels. The native MoE
+    (moe_forward_native) reads its expert counts back to the host, which a graph capture
+    refuses, so such an engine decodes eagerly."""
+    return device == "cuda" and not sgl_kernel_installed()
+
+
 # --- sampling -------------------------------------------------------------------------------
 @dataclass(kw_only=True, slots=True)
 class RolloutRequest:

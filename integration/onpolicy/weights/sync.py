@@ -85,8 +85,9 @@ class CheckReport:
     boxes: int = 0
     mismatches: list[str] = field(default_factory=list)
     sha256: str = ""
-    """One digest of every box the engines hold (name, box, the box's SHA-256, in the
-    trainer's tensor order): two syncs with equal digests gave the engines the same bits."""
+    """One digest of every box the engines hold (engine, rank, tensor, box and the box's
+    SHA-256, in the trainer's tensor order): two syncs with equal digests gave the engines the
+    same bits."""
 
 
 class WeightSync:
