@@ -144,6 +144,10 @@ class RolloutActor:
     def resume_memory(self) -> None:
         self.service.resume_memory()
 
+    def memory_usage(self) -> dict:
+        """`EngineService.memory_usage`: weight, kvcache and graph GB."""
+        return self.service.memory_usage()
+
     def shutdown(self) -> None:
         if self.service is not None:
             self.service.shutdown()

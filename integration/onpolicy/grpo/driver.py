@@ -48,7 +48,7 @@ from onpolicy.grpo.cluster import Cluster, RunError, memory_saver_problem
 from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.evaluation import eval_due, eval_metrics
 from onpolicy.grpo.filtering import fill, select_groups
-from onpolicy.grpo.memory import GpuReader, PhasePeaks, run_rss_mib
+from onpolicy.grpo.memory import GpuReader, PhasePeaks, gpu_memory_used, run_rss_mib
 from onpolicy.grpo.procs import RUN_ID_ENV
 from onpolicy.grpo.rewards import RewardError, reward_metrics
 from onpolicy.grpo.tasks import Task, TaskContext, make_task
@@ -120,6 +120,8 @@ class Driver:
         self.peaks: PhasePeaks | None = None
         """The run's memory per phase of a step (`memory`), sampled from setup to teardown."""
         self._gpu_reader: GpuReader | None = None
+        self.engine_kv_mib = 0
+        """The engines' KV pools together (SGLang's account), MiB; 0 unless colocated on CUDA."""
 
     @property
     def trainers(self) -> list[Any]:
@@ -172,6 +174,12 @@ class Driver:
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self._start_peaks()
         self.engine_info = self.cluster.start(self.ckpt, self.resume_from)
+        if self._release:
+            usage = self._all(self.engines, "engine", "memory_usage")
+            self.engine_kv_mib = sum(round(u["kvcache"] * 1024) for u in usage)
+            self.log("onpolicy e2e: engine memory (GB): " + "; ".join(
+                f"engine{i} weight {u['weight']}, kvcache {u['kvcache']}, graph "
+                f"{sum(u['graph'].values()):.3f}" for i, u in enumerate(usage)))  # fmt: skip
         write_atomic(self.out / "actors.json", json.dumps(self.cluster.pids, indent=1) + "\n")
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
                    for i, h in zip(self.engine_info, self.engines, strict=True)]  # fmt: skip
@@ -412,8 +420,13 @@ class Driver:
             )  # fmt: skip
 
         if self._release:
+            before = self._gpu_total()
             with self._phase("release"):
                 self._all(self.engines, "engine", "release_memory")
+            after = self._gpu_total()
+            if before is not None and after is not None:  # fresh readings, the trainer idle
+                metrics["memory/released_mib"] = before - after
+                metrics["memory/engine_kv_mib"] = self.engine_kv_mib
         batch = {
             "sequences": seqs,
             "response_starts": [len(s["prompt"]) for s in samples],
@@ -463,6 +476,16 @@ class Driver:
             metrics |= self.evaluate(step)
         metrics["time/step_s"] = time.perf_counter() - t0
         return StepRecord(step=step, metrics=metrics, samples=samples)
+
+    def _gpu_total(self) -> int | None:
+        """The host's GPU memory in use now, MiB (a fresh nvidia-smi reading, not the sampled
+        one); None where nvidia-smi gives no answer, which loses the metric, not the run."""
+        if self._gpu_reader is None:
+            return None
+        try:
+            return sum(gpu_memory_used())
+        except RuntimeError:
+            return None
 
     @property
     def _release(self) -> bool:

@@ -136,6 +136,11 @@ class EngineService:
     def resume_memory(self) -> None:
         self.engine.resume_memory_occupation()
 
+    def memory_usage(self) -> dict:
+        """SGLang's account of the engine's GPU memory, in GB (2**30 bytes) to 3 decimals:
+        `weight` (measured around the load), `kvcache` (the pool's buffers), `graph`."""
+        return self.engine.get_server_info()["internal_states"][0]["memory_usage"]
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
