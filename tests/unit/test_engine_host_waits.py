@@ -135,3 +135,27 @@ def test_teardown_memory_is_held_to_the_use_before_the_run_not_to_zero():
         memory_left(None, [0, 2])
         == "[gpu_memory] GPU memory not back to 0 MiB: GPU 1 2 MiB (before 0)"
     )
+
+
+def test_teardown_memory_is_read_again_until_the_killed_processes_give_it_back():
+    """The driver frees a killed process's GPU memory after the process has gone: the reading is
+    taken again until nothing is left, and bounded when something stays (then named)."""
+    from onpolicy.grpo.e2e import memory_after_teardown, memory_left
+
+    readings = iter([[92085], [40000], [4], [4]])
+    used, waited = memory_after_teardown([4], settle_s=30, interval_s=0.01,
+                                         read=lambda: next(readings))  # fmt: skip
+    assert used == [4] and next(readings) == [4], used  # it stopped at the first good reading
+    assert 0 < waited < 30, waited
+
+    t0 = time.monotonic()
+    used, waited = memory_after_teardown([4], settle_s=0.2, interval_s=0.01,
+                                         read=lambda: [812])  # fmt: skip
+    assert used == [812] and 0.2 <= waited < 5 and time.monotonic() - t0 < 5, (used, waited)
+    assert "GPU 0 812 MiB (before 4)" in memory_left([4], used)
+
+    def fails():
+        raise RuntimeError("nvidia-smi gave no answer within 60 s (memory.used)")
+
+    with pytest.raises(RuntimeError, match="nvidia-smi gave no answer"):
+        memory_after_teardown([4], read=fails)

@@ -31,6 +31,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from onpolicy.bits import hex_bits
@@ -157,14 +158,14 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
             code = code or 3
     if e.cfg.device == "cuda":
         try:
-            used = gpu_memory_used()
+            used, waited = memory_after_teardown(before)
         except RuntimeError as err:  # nvidia-smi missing, failed or hung: the check is lost
             say(f"onpolicy e2e: GPU memory after teardown not known: {err}")
             code = code or 3
         else:
             problem = memory_left(before, used)
-            say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}; before the run: "
-                f"{before if before is not None else 'not known'}" +
+            say(f"onpolicy e2e: GPU memory after teardown (MiB): {used}, {waited:.1f} s after "
+                f"it; before the run: {before if before is not None else 'not known'}" +
                 (f"; {problem}" if problem else ""))  # fmt: skip
             if problem:
                 code = code or 3
@@ -193,6 +194,28 @@ def memory_left(before: list[int] | None, after: list[int]) -> str:
     rule = "above its use before the run" if known else "not back to 0 MiB"
     return "[gpu_memory] GPU memory " + rule + ": " + ", ".join(
         f"GPU {i} {a} MiB (before {b})" for i, a, b in over)  # fmt: skip
+
+
+SETTLE_S = 60.0
+"""Seconds the GPUs' memory may take to come back after teardown. The driver gives a killed
+process's memory back only once it has torn down its context, which can lag the process's
+end by seconds (one that held 92 GB of GPU memory and a 43 GB checkpoint's host copies)."""
+
+
+def memory_after_teardown(
+    before: list[int] | None, *, settle_s: float = SETTLE_S, interval_s: float = 0.5,
+    read: Callable[[], list[int]] = gpu_memory_used,
+) -> tuple[list[int], float]:  # fmt: skip
+    """The GPUs' memory in use (MiB) once `memory_left` finds nothing left, read again every
+    `interval_s` for at most `settle_s`, and the seconds it took; past that, the last reading,
+    which `memory_left` then names. RuntimeError from `read` (nvidia-smi) passes through."""
+    t0 = time.monotonic()
+    while True:
+        used = read()
+        waited = time.monotonic() - t0
+        if not memory_left(before, used) or waited >= settle_s:
+            return used, waited
+        time.sleep(interval_s)
 
 
 def _write(path: Path, record: dict) -> None:

@@ -49,6 +49,7 @@ def init_parallel(
     pass this process's `rank`.
     """
     if device == "cuda":
+        deterministic_cuda()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device == "cuda" else "gloo"
     if store is None:
@@ -59,6 +60,24 @@ def init_parallel(
         raise RuntimeError(f"{dist.get_world_size()} ranks joined; the layout {layout.name()} "
                            f"needs {layout.world}")  # fmt: skip
     initialize_parallel_state(layout)
+
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS's fixed workspace configuration, which its reproducible results need."""
+
+
+def deterministic_cuda() -> None:
+    """Make this process's CUDA training repeat bit for bit, so a resumed run continues the
+    uninterrupted one: the exact ops fix the forward, but the backward's native ops accumulate
+    through atomics (index_add, index_put with accumulate, the backward of gathers), whose
+    order varies between runs. torch's deterministic implementations replace them; an op that
+    has none warns, naming itself, rather than failing the run. Call before the first cuBLAS
+    handle (before any matmul)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # Deterministic mode also fills every new tensor; nothing here reads memory it did not
+    # write, so that costs bandwidth for nothing.
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def set_seed(seed: int = SEED) -> None:

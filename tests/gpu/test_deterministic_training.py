@@ -1,0 +1,65 @@
+"""The trainer's backward repeats bit for bit on CUDA (`train.builder.deterministic_cuda`, which
+`init_parallel` applies on CUDA), so a resumed run can continue the uninterrupted one.
+
+The case is the backward the native MoE gives the exact forward: tokens gathered per expert
+(`x[tok]`), whose gradient accumulates many rows into each token's row. The same backward, run
+again and again, must give one set of bits with the deterministic setting; the negative
+control, the same loop without it, gives more than one (CUDA's atomic adds land in varying
+order). Bits compare as integer views.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+REPEATS = 20
+
+
+@pytest.fixture
+def restore():
+    """torch's global determinism settings and the cuBLAS variable, put back after the test."""
+    from torch.utils import deterministic
+
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             deterministic.fill_uninitialized_memory,
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))  # fmt: skip
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    deterministic.fill_uninitialized_memory = saved[2]
+    if saved[3] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[3]
+
+
+def gather_backward_digests() -> set[str]:
+    """SHA-256 of the bits of x.grad from `x[tok]` backward, once per repeat (same inputs)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    tok = torch.randint(0, 64, (65536,), device="cuda", generator=g)
+    grad = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = set()
+    for _ in range(REPEATS):
+        leaf = x.detach().requires_grad_(True)
+        leaf[tok].backward(grad)
+        torch.cuda.synchronize()
+        out.add(hashlib.sha256(leaf.grad.view(torch.int16).cpu().numpy().tobytes()).hexdigest())
+    return out
+
+
+def test_negative_control_the_backward_varies_without_the_setting(restore):
+    torch.use_deterministic_algorithms(False)
+    assert len(gather_backward_digests()) > 1
+
+
+def test_the_backward_repeats_bit_for_bit_with_the_setting(restore):
+    from onpolicy.train.builder import deterministic_cuda
+
+    deterministic_cuda()
+    assert len(gather_backward_digests()) == 1
