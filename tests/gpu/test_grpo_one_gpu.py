@@ -43,6 +43,8 @@ from onpolicy.grpo.memory import gpu_memory_used  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3000)]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "one-gpu.toml"
 STEPS = 5
+NONDETERMINISTIC = "does not have a deterministic implementation"
+"""torch's warning for an op without a deterministic kernel, under warn_only."""
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,10 @@ def test_every_step_is_on_policy_on_one_gpu(base):
         # weights plus SGLang's KV pool (its GB to 3 decimals: up to 1 MiB off, rounded).
         want = (r["sync/bytes"] >> 20) + r["memory/engine_kv_mib"] - 2
         assert r["memory/engine_kv_mib"] > 0 and r["memory/released_mib"] >= want, (want, r)
+    # The trainer's deterministic setting warns, naming the op, where torch has no deterministic
+    # kernel; training would then not repeat, and a resume would not continue this run.
+    warned = [ln for ln in run.text.splitlines() if NONDETERMINISTIC in ln]
+    assert not warned, warned[:5]
     # every step trained: each sync gave the engine other weights
     assert len({r["sync/weights_sha256"] for r in rows}) == STEPS, rows
     assert "GPU memory after teardown" in run.text, run.text[-3000:]
