@@ -32,6 +32,8 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH_CPU = "torch==2.13.0"
 TORCH_CONSTRAINT = ROOT / "integration/onpolicy/upstream/torch-cpu.txt"
 SGLANG_CPU_REQS = ROOT / "integration/onpolicy/upstream/sglang-cpu-requirements.txt"
+TRITON = "triton==3.6.0"
+"""The Triton of the GPU host's torch 2.11.0+cu130."""
 TEST_REQS = [
     "pytest",
     "pytest-timeout",  # every test bounded (pyproject's timeout, modules' own budgets)
@@ -44,7 +46,7 @@ TEST_REQS = [
     "psutil",  # megatron-core's dist-checkpoint writer (not a megatron-core dependency)
     "wandb",  # the GRPO run's metrics (offline unless WANDB_API_KEY is set)
     "tqdm",  # the GRPO run's progress bar
-    "triton==3.6.0",  # the CUDA backend's kernels, run by Triton's interpreter on CPU in CI
+    TRITON,  # the CUDA backend's kernels, run by Triton's interpreter on CPU in CI
     "datasets",  # the dataset task's JSONL / Parquet files ([data])
     "pyarrow",  # datasets' Parquet reader and writer
     "math-verify",  # the "math" reward (HF's answer verifier)
@@ -139,7 +141,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks (not timed tests), recorded in docs/benchmarks.md: bytes per rank of the exact
     collectives, the training-step time of the exact vs the local spec, the rollout tokens/s
     of the exact vs the stock engine, the time and bytes of a weight sync and the tiny GRPO
-    run's wall time per phase; with `-- --gpu`
+    run's wall time per phase, the Triton compile time of the GEMM's variants (for sm_90, on
+    the CPU); with `-- --gpu`
     (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch, the full-size prefill ==
     decode check and the exact vs the stock engine's rollout tokens/s on CUDA instead."""
     if "--gpu" in session.posargs:
@@ -158,6 +161,8 @@ def bench(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "onpolicy.bench.comm_bytes", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    session.install("-c", str(TORCH_CONSTRAINT), TRITON)  # compiles for sm_90 on the CPU
+    session.run("python", "-m", "onpolicy.bench.compile", "--out", str(ROOT / "docs/benchmarks.md"))
     _install(session)  # the training-step benchmark runs the patched megatron-core
     session.run("python", "-m", "onpolicy.bench.train_step", "--out",
                 str(ROOT / "docs/benchmarks.md"), env={"OMP_NUM_THREADS": "1"})  # fmt: skip

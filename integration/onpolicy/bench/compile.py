@@ -1,0 +1,114 @@
+"""Triton compile time of the exact GEMM's kernel variants, for an sm_90 target (H100/H200),
+measured on this machine's CPU: Triton compiles ahead of time to PTX and a cubin with the ptxas
+it ships, so no GPU is needed.
+
+    python -m onpolicy.bench.compile [--k 2048] [--segments 1 2 4] [--out FILE]
+
+`--out` writes the section HEADING of FILE (replaced on a re-run).
+
+Each variant is `linear._mm_kernel` (the pointer-load GEMM: every fp32 launch, and every indexed
+launch, the MoE's among them) at one of the tiles `tile_for` picks, S chained K segments, in
+bf16 (tensor-core dots) or fp32 (IEEE dots, which Triton lowers to FMA chains unrolled over the
+whole tile, hence the code size); each compiled once into an empty cache, so the time is the
+whole compile: front end, the MLIR passes, LLVM and ptxas. The TMA kernel (bf16 plain GEMMs at
+large M) takes tensor descriptors and is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from onpolicy.bench import commit, write_section
+
+HEADING = "## Triton compile time of the GEMM's variants (sm_90, compiled on the CPU)"
+"""The section this benchmark owns in docs/benchmarks.md."""
+TILES = ("SMALL_M", "MID_M", "LARGE_M_INDEXED", "LARGE_M_SEGMENTED_INDEXED")
+"""`linear` tiles `tile_for` picks for pointer-load launches (by name)."""
+
+
+def compile_variant(dtype: str, tile_name: str, segments: int, k: int) -> tuple[float, int]:
+    """(seconds, PTX characters) of one compile of `_mm_kernel` for sm_90 into an empty cache."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onpolicy.kernels.cuda import linear as L
+
+    bm, bn, bk, warps, stages = getattr(L, tile_name)
+    fp32 = dtype == "fp32"
+    ptr = "*fp32" if fp32 else "*bf16"
+    sig = dict.fromkeys(L._mm_kernel.arg_names, "constexpr")
+    sig |= dict.fromkeys(("x_ptr", "w_ptr", "w2_ptr"), ptr)
+    sig |= dict.fromkeys(("out_ptr", "out2_ptr"), "*fp32")
+    sig |= dict.fromkeys(("rows_ptr", "dst_ptr", "tile_expert_ptr", "tile_start_ptr",
+                          "tile_end_ptr"), "*i64")  # fmt: skip
+    sig |= dict.fromkeys(("M", "N", "stride_xm", "stride_we", "stride_wn", "stride_om",
+                          "n_experts"), "i32")  # fmt: skip
+    seg_k = k // segments
+    const = {"GATHER": False, "SCATTER": False, "GROUPED": False, "PAIRS": False, "ROW_DIV": 1,
+             "DUAL": False, "OUT_FP32": True, "SEGMENTS": segments, "SEG_K": seg_k,
+             "EVEN": seg_k % bk == 0, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8,
+             "IEEE": fp32, "SEAL": True}  # fmt: skip
+    options = {"num_warps": warps, "num_stages": 1 if fp32 else stages}  # as tree_mm launches
+    with tempfile.TemporaryDirectory(prefix="onpolicy-compile-") as cache:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            t0 = time.perf_counter()
+            kernel = triton.compile(ASTSource(L._mm_kernel, sig, const),
+                                    target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+            seconds = time.perf_counter() - t0
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
+    return seconds, len(kernel.asm["ptx"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    import triton
+
+    from onpolicy.kernels.cuda import linear as L
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, default=2048, help="K of the GEMM (the model's hidden)")
+    ap.add_argument("--segments", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--out", help="write (or replace) this benchmark's section in this file")
+    args = ap.parse_args(argv)
+    compile_variant("bf16", "SMALL_M", 1, args.k)  # imports and Triton's own first-use costs
+    rows, totals = [], {"bf16": 0.0, "fp32": 0.0}
+    for name in TILES:
+        for s in args.segments:
+            cells = []
+            for dtype in ("bf16", "fp32"):
+                seconds, ptx = compile_variant(dtype, name, s, args.k)
+                totals[dtype] += seconds
+                cells.append((seconds, ptx))
+            (tb, pb), (tf, pf) = cells
+            rows.append(f"| {name} {getattr(L, name)} | {s} | {tb:.2f} | {pb // 1024} | "
+                        f"{tf:.2f} | {pf // 1024} | {tf / tb:.1f} |")  # fmt: skip
+            print(rows[-1], flush=True)
+    text = "\n".join([
+        HEADING, "",
+        f"`python -m onpolicy.bench.compile`, {time.strftime('%Y-%m-%d', time.gmtime())}, "
+        f"commit {commit()}, Triton {triton.__version__}, target sm_90, compiled on "
+        f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), K = {args.k}. "
+        "One compile of `linear._mm_kernel` per row and dtype, each into an empty cache; "
+        "tile = (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).", "",
+        "| tile | S | bf16 s | bf16 PTX KiB | fp32 s | fp32 PTX KiB | fp32 / bf16 |",
+        "|---|---|---|---|---|---|---|", *rows, "",
+        f"Total: bf16 {totals['bf16']:.1f} s, fp32 {totals['fp32']:.1f} s.",
+    ])  # fmt: skip
+    print(text)
+    if args.out:
+        write_section(Path(args.out), HEADING, text)
+
+
+if __name__ == "__main__":
+    main()
