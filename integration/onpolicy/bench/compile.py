@@ -103,7 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         "tile = (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).", "",
         "| tile | S | bf16 s | bf16 PTX KiB | fp32 s | fp32 PTX KiB | fp32 / bf16 |",
         "|---|---|---|---|---|---|---|", *rows, "",
-        f"Total: bf16 {totals['bf16']:.1f} s, fp32 {totals['fp32']:.1f} s.",
+        f"Total: bf16 {totals['bf16']:.1f} s, fp32 {totals['fp32']:.1f} s.", "",
+        "An fp32 dot (IEEE, no tensor cores) is an FMA chain per output that Triton unrolls over "
+        "the tile, BLOCK_M x BLOCK_N x BLOCK_K / (32 x warps) FMAs a thread per K chunk, and "
+        "the S segments are unrolled too (`tl.static_range`): fp32 code grows with the tile "
+        "and with S, where a bf16 dot is a few tensor-core instructions.",
     ])  # fmt: skip
     print(text)
     if args.out:
