@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from onpolicy.bench.compile import CompileLog
 
 LOG = CompileLog()
