@@ -1,11 +1,10 @@
 """The trainer's backward repeats bit for bit on CUDA (`train.builder.deterministic_cuda`, which
 `init_parallel` applies on CUDA), so a resumed run can continue the uninterrupted one.
 
-The case is the backward the native MoE gives the exact forward: tokens gathered per expert
-(`x[tok]`), whose gradient accumulates many rows into each token's row. The same backward, run
-again and again, must give one set of bits with the deterministic setting; the negative
-control, the same loop without it, gives more than one (CUDA's atomic adds land in varying
-order). Bits compare as integer views.
+The case is the accumulation of many rows into few (an fp32 `index_add_`, as the native MoE
+adds expert outputs into each token's row). Run again and again, it must give one set of bits
+with the deterministic setting; the negative control, the same loop without it, gives more than
+one (CUDA's atomic adds land in varying order). Bits compare as integer views.
 """
 
 from __future__ import annotations
