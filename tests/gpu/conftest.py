@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from onpolicy.bench.compile import CompileLog
+from onpolicy.kernels.cuda.warmup import CompileLog
 
 LOG = CompileLog()
 WALL: dict[str, float] = {}

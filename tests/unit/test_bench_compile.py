@@ -17,9 +17,9 @@ def test_the_gemm_compiles_for_sm90_without_a_gpu():
 def test_the_compile_log_counts_compiles_and_cache_hits_per_label(tmp_path, monkeypatch):
     """`CompileLog` hears Triton's compiler: a compile into an empty cache is counted with its
     seconds; the same kernel again from that cache is a hit, not a compile; nothing is heard
-    outside `counting`, and the listener it replaced is put back."""
+    outside `counting`; a listener set before hears every compile too, and is put back."""
     import triton
-    from onpolicy.bench.compile import CompileLog
+    from onpolicy.kernels.cuda.warmup import CompileLog
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -34,13 +34,23 @@ def test_the_compile_log_counts_compiles_and_cache_hits_per_label(tmp_path, monk
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    log, before = CompileLog(), knobs.compilation.listener
-    with log.counting("first"):
-        build()
-    with log.counting("again"):
-        build()
+    heard_before = []
+    before = knobs.compilation.listener
+
+    def earlier(**kw):
+        heard_before.append(kw["cache_hit"])
+
+    knobs.compilation.listener, log = earlier, CompileLog()
+    try:
+        with log.counting("first"):
+            build()
+        with log.counting("again"):
+            build()
+        assert knobs.compilation.listener is earlier
+    finally:
+        knobs.compilation.listener = before
     build()  # not counted
-    assert knobs.compilation.listener is before
+    assert heard_before == [False, True], heard_before
     first, again = log.by_label["first"], log.by_label["again"]
     assert first[0] > 0 and first[1:] == [1, 0], first
     assert again == [0.0, 0, 1], again

@@ -21,9 +21,6 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from onpolicy.bench import commit, write_section
@@ -32,42 +29,6 @@ HEADING = "## Triton compile time of the GEMM's variants (sm_90, compiled on the
 """The section this benchmark owns in docs/benchmarks.md."""
 TILES = ("SMALL_M", "MID_M", "LARGE_M_INDEXED", "LARGE_M_SEGMENTED_INDEXED")
 """`linear` tiles `tile_for` picks for pointer-load launches (by name)."""
-
-
-@dataclass
-class CompileLog:
-    """Triton's compiles in this process, counted while `counting` is active (through
-    `triton.knobs.compilation.listener`): per label, the seconds and number of real compiles
-    (the cache missed) and the number of kernels loaded from the disk cache. A kernel that the
-    launching process already holds in memory never reaches the compiler and is not counted."""
-
-    by_label: dict[str, list[float]] = field(default_factory=dict)
-    """label -> [compile seconds, compiles, disk-cache hits]."""
-
-    @contextmanager
-    def counting(self, label: str) -> Iterator[None]:
-        from triton import knobs
-
-        entry = self.by_label.setdefault(label, [0.0, 0, 0])
-
-        def heard(*, src, metadata, metadata_group, times, cache_hit) -> None:
-            if cache_hit:
-                entry[2] += 1
-            else:
-                entry[0] += times.total / 1e6
-                entry[1] += 1
-
-        saved, knobs.compilation.listener = knobs.compilation.listener, heard
-        try:
-            yield
-        finally:
-            knobs.compilation.listener = saved
-
-    def total(self) -> tuple[float, int, int]:
-        """(compile seconds, compiles, disk-cache hits) over every label."""
-        rows = list(self.by_label.values())
-        return (sum(r[0] for r in rows), int(sum(r[1] for r in rows)),
-                int(sum(r[2] for r in rows)))  # fmt: skip
 
 
 def compile_variant(dtype: str, tile_name: str, segments: int, k: int) -> tuple[float, int]:

@@ -70,9 +70,9 @@ def deterministic_cuda() -> None:
     """Make this process's CUDA training repeat bit for bit, so a resumed run continues the
     uninterrupted one: the exact ops fix the forward, but the backward's native ops accumulate
     through atomics (index_add, scatter_add), whose order varies between runs (on an H100 an
-    fp32 index_add of 65536 rows into 64 gave 20 results in 20 runs). torch's deterministic implementations replace them; an op that
-    has none warns, naming itself, rather than failing the run. Call before the first cuBLAS
-    handle (before any matmul)."""
+    fp32 index_add of 65536 rows into 64 gave 20 results in 20 runs). torch's deterministic
+    implementations replace them; an op that has none warns, naming itself, rather than
+    failing the run. Call before the first cuBLAS handle (before any matmul)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic mode also fills every new tensor; nothing here reads memory it did not

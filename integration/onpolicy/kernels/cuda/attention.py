@@ -75,6 +75,15 @@ this (about four programs per SM of an H200). Either schedule gives the same bit
 
 _UNPAGED = 1 << 30
 """Page size that makes a packed [T, Hkv, D] tensor one page per sequence."""
+BATCH_INTS = ["n_tiles", "stride_pages", "parts"]
+"""Integer arguments that change with the batch, left unspecialized: Triton would compile a
+variant for each value class (1, a multiple of 16, the rest), so the variants a run uses would
+depend on its batches (`warmup`). They only index and mask, so the bits do not change."""
+
+
+def split_for(n_tiles: int, kv_heads: int, max_keys: int) -> bool:
+    """Whether a launch splits its partitions over programs (the SPLIT variant)."""
+    return triton.cdiv(max_keys, KV_PARTITION) > 1 and n_tiles * kv_heads < SPLIT_BELOW
 
 
 @triton.jit
@@ -139,7 +148,7 @@ def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base
     return m, _columns_tree(lcol, BM, BN, LOG_BN), acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, ws_ptr, sched_ptr, n_tiles, pages_ptr, stride_pages, page_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -204,7 +213,7 @@ def _attn_kernel(
                  mask=row_ok[:, None])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _merge_kernel(
     o_ptr, ws_ptr, sched_ptr, n_tiles, stride_ot, stride_oh,
     parts, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, P: tl.constexpr,
@@ -287,7 +296,7 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
     if n_tiles == 0 or t == 0:
         return out
     parts = max(1, triton.cdiv(max_keys, KV_PARTITION))
-    split = parts > 1 and n_tiles * hkv < SPLIT_BELOW
+    split = split_for(n_tiles, hkv, max_keys)
     ws = (torch.empty(n_tiles * hkv * parts * bm * (d + 2), dtype=torch.float32,
                       device=q.device) if split else out)  # fmt: skip
     common = dict(G=g, D=d, BM=bm, num_warps=warps, enable_fp_fusion=False)

@@ -15,6 +15,11 @@ The tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) may change with M and S: it 
 which outputs a program computes and how wide a chunk is, never the order of an output's sum
 (`tests/gpu/test_cuda_kernels.py` runs every tile on the same rows). There is no split-K over
 programs: the only cut of K is the segments, fixed for the run.
+
+M is not specialized (`do_not_specialize`): Triton would compile a variant for M = 1, for M a
+multiple of 16 and for the rest, so the variants a run compiles would follow its batch sizes.
+Unspecialized, a variant is fixed by the tile and the flags alone, which `warmup` can cover. M
+only bounds rows, so the bits do not change.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ SMS, FULL_WAVES = 132, 4
 """The H200's SMs, and the waves of 128 x 256 tiles above which their tail costs little."""
 FORCE: Tile | None = None
 """Tests set this to run every launch at one tile (the bits must not change)."""
+ROW_BOUNDS = (64, 512)
+"""The largest M of SMALL_M and of MID_M launches."""
 
 
 def tile_for(m: int, n: int, segments: int = 1, tma: bool = True) -> Tile:
@@ -55,9 +62,9 @@ def tile_for(m: int, n: int, segments: int = 1, tma: bool = True) -> Tile:
     Any tile gives the same bits."""
     if FORCE is not None:
         return FORCE
-    if m <= 64:
+    if m <= ROW_BOUNDS[0]:
         return SMALL_M
-    if m <= 512:
+    if m <= ROW_BOUNDS[1]:
         return MID_M
     if not tma:
         return LARGE_M_INDEXED if segments == 1 else LARGE_M_SEGMENTED_INDEXED
@@ -168,7 +175,7 @@ def _segment_tma(x_desc, w_desc, row0, col0, k0, seg_k: tl.constexpr, BM: tl.con
     return _sealed(c, SEAL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _mm_tma_kernel(
     x_desc, w_desc, out_ptr, M, N, stride_om, OUT_FP32: tl.constexpr,
     SEGMENTS: tl.constexpr, SEG_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -202,7 +209,7 @@ def _mm_tma_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     x_ptr, w_ptr, w2_ptr, out_ptr, out2_ptr, rows_ptr, dst_ptr, tile_expert_ptr,
     tile_start_ptr, tile_end_ptr, M, N, stride_xm, stride_we, stride_wn, stride_om, n_experts,

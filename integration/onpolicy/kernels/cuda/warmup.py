@@ -1,0 +1,127 @@
+"""Compile the Triton variants a run will use at start, not on the first batch that needs them.
+
+A variant is one compile of a kernel: its constexprs (tile, flags, segments), its launch
+options, and how Triton specializes the other arguments (pointer alignment; an integer equal to
+1 or divisible by 16). The integers that grow with the batch are left unspecialized
+(`linear`, `attention`, `elementwise`), so a batch's variants follow only from the choices the
+host makes from its shape: the GEMM's tile from the rows (`linear.ROW_BOUNDS`), the MoE's path
+and tile from the (token, slot) pairs (`moe.SMALL_PAIRS`), attention's tile from rows per
+request and its split from the keys and tiles (`attention.split_for`). Each choice is a step
+function of the token count for a fixed kind of batch, so batches on both sides of every step,
+of each kind, launch every variant that any batch of at most `max_tokens` tokens launches
+(`warmup_batches`). `warm_up` runs them through the caller's forward and counts the compiles.
+
+Scope: packed prefill of whole sequences (the trainer's forward, and the reference model's
+`score`). The paged decode of an engine is warmed by its own graph capture.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from onpolicy.kernels.cuda import attention, linear, moe
+
+
+@dataclass
+class CompileLog:
+    """Triton's compiles in this process, counted while `counting` is active (through
+    `triton.knobs.compilation.listener`, handing on to a listener set before): per label, the
+    seconds and number of real compiles (the cache missed) and the number of kernels loaded
+    from the disk cache. A kernel the process already holds in memory is not counted."""
+
+    by_label: dict[str, list[float]] = field(default_factory=dict)
+    """label -> [compile seconds, compiles, disk-cache hits]."""
+
+    @contextmanager
+    def counting(self, label: str) -> Iterator[None]:
+        from triton import knobs
+
+        entry = self.by_label.setdefault(label, [0.0, 0, 0])
+        saved = knobs.compilation.listener
+
+        def heard(*, src, metadata, metadata_group, times, cache_hit) -> None:
+            if cache_hit:
+                entry[2] += 1
+            else:
+                entry[0] += times.total / 1e6
+                entry[1] += 1
+            if saved is not None:
+                saved(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                      cache_hit=cache_hit)  # fmt: skip
+
+        knobs.compilation.listener = heard
+        try:
+            yield
+        finally:
+            knobs.compilation.listener = saved
+
+    def total(self) -> tuple[float, int, int]:
+        """(compile seconds, compiles, disk-cache hits) over every label."""
+        rows = list(self.by_label.values())
+        return (sum(r[0] for r in rows), int(sum(r[1] for r in rows)),
+                int(sum(r[2] for r in rows)))  # fmt: skip
+
+
+def token_bounds(top_k: int, q_per_kv: int, kv_heads: int, max_tokens: int) -> list[int]:
+    """Token counts T at which some host choice changes between T and T + 1, for a batch of one
+    sequence or of T one-token sequences."""
+    pairs = (moe.SMALL_PAIRS, *linear.ROW_BOUNDS)  # the MoE's path and grouped tile, in pairs
+    bounds = {*linear.ROW_BOUNDS, *(b // top_k for b in pairs), attention.KV_PARTITION}
+    split = [c for c in range(attention.KV_PARTITION + 1, max_tokens + 1)
+             if attention.split_for(_tiles([c], q_per_kv), kv_heads, c)]  # fmt: skip
+    if split:
+        bounds.add(split[-1])
+    return sorted(b for b in bounds if 0 < b < max_tokens)
+
+
+def _tiles(lengths: Sequence[int], q_per_kv: int) -> int:
+    """Attention's M-tiles for whole sequences of `lengths` (its schedule's count)."""
+    bm = attention.tile_for(sum(lengths) * q_per_kv, len(lengths))[0]
+    return sum(-(-n * q_per_kv // bm) for n in lengths)
+
+
+def warmup_batches(max_tokens: int, top_k: int, q_per_kv: int, kv_heads: int) -> list[list[int]]:
+    """Sequence lengths of the warm-up batches: at each count T on either side of every bound
+    (and 1 and `max_tokens`), one sequence of T tokens (attention's prefill tile), T sequences of
+    one token (its decode tile), and past a partition of keys, one long sequence among short ones
+    (the decode tile with split partitions)."""
+    counts = {1, max_tokens}
+    for b in token_bounds(top_k, q_per_kv, kv_heads, max_tokens):
+        counts |= {b, b + 1}
+    long = attention.KV_PARTITION + 1
+    batches = []
+    for t in sorted(c for c in counts if 0 < c <= max_tokens):
+        batches += [[t], [1] * t] if t > 1 else [[1]]
+        if t > long:
+            batches.append([long] + [1] * (t - long))
+    return batches
+
+
+@dataclass
+class WarmUp:
+    """What a warm-up ran and what it cost."""
+
+    batches: int
+    """Forwards run."""
+    seconds: float
+    """Wall time of the warm-up."""
+    compile_seconds: float
+    """Of which Triton's compiler."""
+    compiles: int
+    """Kernels compiled."""
+    cache_hits: int
+    """Kernels loaded from Triton's disk cache."""
+
+
+def warm_up(forward: Callable[[list[int]], object], batches: Sequence[list[int]]) -> WarmUp:
+    """Run `forward` on each batch of sequence lengths (the caller makes the tokens and syncs),
+    counting Triton's compiles."""
+    log, t0 = CompileLog(), time.perf_counter()
+    with log.counting("warm-up"):
+        for lengths in batches:
+            forward(list(lengths))
+    seconds, compiles, hits = log.total()
+    return WarmUp(len(batches), time.perf_counter() - t0, seconds, compiles, hits)
