@@ -109,6 +109,19 @@ def test_every_step_is_on_policy_on_one_gpu(base):
     run.check_clean()
 
 
+def test_the_trainer_warm_up_leaves_scoring_nothing_to_compile(base):
+    """The trainer's setup scored the warm-up batches (`grpo.compile_warmup`, on by default), so
+    no step's scoring compiled or loaded a Triton kernel (`compile/score_kernels`, counted in
+    trainer rank 0's process)."""
+    run = base[0]
+    assert run.code == 0, run.text[-3000:]
+    warm = [ln for ln in run.text.splitlines() if "trainer compile warm-up" in ln]
+    assert warm, run.text[-3000:]
+    rows = run.metrics()
+    print(warm[0], [(r["step"], r.get("compile/score_kernels"), r["time/score_s"]) for r in rows])
+    assert [r.get("compile/score_kernels") for r in rows] == [0] * STEPS, rows
+
+
 def test_a_resume_after_step_2_continues_bit_for_bit(base, seeded, cache, tmp_path):
     run = base[0]
     assert run.code == 0, run.text[-3000:]

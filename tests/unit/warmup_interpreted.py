@@ -87,14 +87,17 @@ def keys_of(model: Qwen3MoeReference, batches: list[list[int]]) -> set[tuple]:
     return set(KEYS)
 
 
-def later_batches(rng: random.Random, max_tokens: int) -> list[list[int]]:
-    """Random batches, and three chosen ones: a GEMM M of 16 and of 528 (multiples of 16, in
-    SMALL_M and at LARGE M) and of 3."""
+def later_batches(rng: random.Random, max_tokens: int, min_len: int = 1) -> list[list[int]]:
+    """Random batches of sequences of at least `min_len` tokens, and three chosen ones: a GEMM
+    M of 16 and of 528 (multiples of 16, in SMALL_M and at LARGE M) and of 3."""
     out = [[16], [500, 28], [3]]
     for _ in range(RANDOM_BATCHES):
-        total, lengths = rng.randint(1, max_tokens), []
-        while total > 0:
+        total, lengths = rng.randint(min_len, max_tokens), []
+        while total >= min_len:
             n = min(total, rng.choice([1, 2, rng.randint(1, 40), rng.randint(1, max_tokens)]))
+            n = max(n, min_len)
+            if total - n < min_len:
+                n = total  # no shorter sequence left behind
             lengths.append(n)
             total -= n
         out.append(lengths)
@@ -106,24 +109,27 @@ CASES = {
                   num_experts_per_tok=2), 600),
     "qwen3-30b-heads": (dict(num_attention_heads=32, num_key_value_heads=4, num_experts=16,
                              num_experts_per_tok=8), 2600),
+    "trainer": (dict(num_attention_heads=32, num_key_value_heads=4, num_experts=16,
+                     num_experts_per_tok=8), 1500, 2),
 }  # fmt: skip
-"""name -> (the tiny model's head and expert counts, MAX_TOKENS). The second has Qwen3-30B-A3B's
-heads and top-8, and a max past the last token count whose prefill splits its partitions."""
+"""name -> (the tiny model's head and expert counts, max tokens[, shortest sequence]). The
+second has Qwen3-30B-A3B's heads and top-8, and a max past the last token count whose prefill
+splits its partitions; the third scores sequences of 2 tokens or more, as a trainer does."""
 
 
-def case(dims: dict, max_tokens: int) -> dict:
+def case(dims: dict, max_tokens: int, min_len: int = 1) -> dict:
     cfg = tiny(hidden_size=64, head_dim=16, moe_intermediate_size=32, vocab_size=128,
                num_hidden_layers=1, **dims)  # fmt: skip
     model = Qwen3MoeReference.random(cfg, dtype=torch.bfloat16)
     g, hkv = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads
-    batches = warmup_batches(max_tokens, cfg.num_experts_per_tok, g, hkv)
+    batches = warmup_batches(max_tokens, cfg.num_experts_per_tok, g, hkv, min_len)
     linear._mm_kernel.kwargs["do_not_specialize"] = ["M"]
     warm = keys_of(model, batches)
-    later = keys_of(model, later_batches(random.Random(0), max_tokens))
+    later = keys_of(model, later_batches(random.Random(0), max_tokens, min_len))
     only_max = keys_of(model, [[max_tokens]])
     linear._mm_kernel.kwargs["do_not_specialize"] = []  # M specialized again
     warm_spec = keys_of(model, batches)
-    later_spec = keys_of(model, later_batches(random.Random(0), max_tokens))
+    later_spec = keys_of(model, later_batches(random.Random(0), max_tokens, min_len))
     return {
         "warmup_batches": len(batches), "warm": len(warm), "later": len(later),
         "missed": sorted(map(repr, later - warm)),

@@ -15,9 +15,11 @@ sync, through `EngineProxy`: a rollout actor as an `onpolicy.rollout.engine.Engi
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,6 +212,8 @@ class TrainerSpec:
     """Scoring temperature (the sampling one)."""
     micro_batch_tokens: int
     """Token budget of one packed micro-batch."""
+    compile_warmup: bool = False
+    """On CUDA, score the warm-up batches at setup (`_warm_up`)."""
     resume: str = ""
     """A torch-dist checkpoint (root or iteration) to load model and optimizer from."""
     authkey: str = ""
@@ -277,8 +281,35 @@ class TrainerActor:
             manifest = torch_dist.load(s.resume, self.chunks, optimizer=self.optimizer,
                                        cfg=self.cfg, layout=self.layout)  # fmt: skip
             self.iteration = int(manifest["iteration"])
+        warmup = self._warm_up() if s.compile_warmup and s.device == "cuda" else None
         return {"rank": self.rank, "pid": os.getpid(), "iteration": self.iteration,
-                "setup_s": time.perf_counter() - t0}  # fmt: skip
+                "setup_s": time.perf_counter() - t0, "warmup": warmup}  # fmt: skip
+
+    def _warm_up(self) -> dict:
+        """Score the warm-up batches (sequences of token 0, up to one micro-batch; the log-probs
+        are dropped), so the scoring forward's Triton variants compile now. Every rank takes
+        part, as in `score`. The counts around each bound are also scaled by TP, since with
+        sequence parallelism part of a layer sees T / TP rows."""
+        from dataclasses import asdict
+
+        from onpolicy.kernels.cuda.warmup import warm_up, warmup_batches
+        from onpolicy.train.logprobs import logprobs
+
+        c, tp = self.cfg, self.layout.tp
+        g = c.num_attention_heads // c.num_key_value_heads
+        batches = warmup_batches(self.spec.micro_batch_tokens, c.num_experts_per_tok, g,
+                                 max(c.num_key_value_heads // tp, 1), min_len=2,
+                                 scales=(1, tp))  # fmt: skip
+
+        def forward(lengths: list[int]) -> None:
+            logprobs(self.chunks, [[0] * n for n in lengths], self.spec.temperature,
+                     micro_batch_tokens=self.spec.micro_batch_tokens)  # fmt: skip
+            torch.cuda.synchronize()
+
+        stats = warm_up(forward, batches)
+        self._settle()
+        torch.cuda.empty_cache()  # the warm-up's blocks, back for a colocated engine
+        return asdict(stats)
 
     # --- collective helpers ---------------------------------------------------------------------
     def _settle(self) -> None:
@@ -299,13 +330,31 @@ class TrainerActor:
 
         t0 = time.perf_counter()
         kw = {"routes": True} if routes else {}
-        out = logprobs(self.chunks, sequences, self.spec.temperature,
-                       micro_batch_tokens=self.spec.micro_batch_tokens, **kw)  # fmt: skip
+        with self._compiles() as compiles:
+            out = logprobs(self.chunks, sequences, self.spec.temperature,
+                           micro_batch_tokens=self.spec.micro_batch_tokens, **kw)  # fmt: skip
         self._settle()
         if self.rank != 0:
             return None
         values, found = out if routes else (out, None)
-        return {"logprobs": values, "routes": found, "seconds": time.perf_counter() - t0}
+        return {"logprobs": values, "routes": found, "seconds": time.perf_counter() - t0,
+                "compiles": compiles[0] if compiles else None}  # fmt: skip
+
+    @contextlib.contextmanager
+    def _compiles(self) -> Iterator[list[int]]:
+        """On CUDA, yields a list that holds, after the block, the Triton kernels this rank
+        compiled or loaded from the disk cache inside it (empty on CPU)."""
+        out: list[int] = []
+        if self.spec.device != "cuda":
+            yield out
+            return
+        from onpolicy.kernels.cuda.warmup import CompileLog
+
+        log = CompileLog()
+        with log.counting("score"):
+            yield out
+        _, compiles, hits = log.total()
+        out.append(compiles + hits)
 
     def train(self, batch: dict) -> dict | None:
         """One PPO-clip step on the global batch (the same on every rank): sequences, the

@@ -50,6 +50,8 @@ class Cluster:
         self.pids: dict[str, int] = {}
         """Each actor's process id, by name ("trainer rank 3", "engine0")."""
         self.times: dict[str, float] = {}
+        self.warmup: dict | None = None
+        """Trainer rank 0's compile warm-up at setup (`TrainerActor._warm_up`), if it ran."""
 
     def start(self, ckpt: Path, resume_from: Path | None) -> list[dict]:
         """Ray up, every actor placed, started and set up; the engines' start reports."""
@@ -65,6 +67,7 @@ class Cluster:
         setups = [(f"trainer rank {g}", a.setup.remote(port)) for g, a in enumerate(self.trainers)]
         values = self.wait(starts + setups, "start", self.e.run.start_timeout_s)
         self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
+        self.warmup = values[len(self.engines)]["warmup"]  # trainer rank 0's, or None
         self.pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
         return values[: len(self.engines)]
 
@@ -143,6 +146,7 @@ class Cluster:
                            optimizer=e.optimizer, loss=e.loss, sync=e.sync,
                            temperature=e.grpo.temperature,
                            micro_batch_tokens=e.grpo.micro_batch_tokens,
+                           compile_warmup=e.grpo.compile_warmup,
                            resume=str(resume_from or ""), authkey=self.authkey)  # fmt: skip
         trainer_env = {**plan.training_env, **base, "OMP_NUM_THREADS": "1"}
         Trainer = ray.remote(TrainerActor)

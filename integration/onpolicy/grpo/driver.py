@@ -49,6 +49,7 @@ from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.evaluation import eval_due, eval_metrics
 from onpolicy.grpo.filtering import fill, select_groups
 from onpolicy.grpo.memory import GpuReader, PhasePeaks, gpu_memory_used, run_rss_mib
+from onpolicy.grpo.metrics import SCORE_COMPILES
 from onpolicy.grpo.procs import RUN_ID_ENV
 from onpolicy.grpo.rewards import RewardError, reward_metrics
 from onpolicy.grpo.tasks import Task, TaskContext, make_task
@@ -403,6 +404,8 @@ class Driver:
         with self._phase("score"):
             scored = self._all(self.trainers, "trainer rank", "score", seqs, g.routing_check)[0]
         metrics: dict[str, Any] = logprob_metrics(samples, scored["logprobs"])
+        if scored["compiles"] is not None:
+            metrics[SCORE_COMPILES] = scored["compiles"]
         versions = {s["weight_version"] for s in samples}
         metrics["rollout/weight_version"] = ",".join(sorted(str(v) for v in versions))
         if g.routing_check:

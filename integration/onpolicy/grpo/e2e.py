@@ -115,6 +115,10 @@ def run(e, *, steps: int | None = None, resume: bool = False, bisect: bool = Fal
             f"engines up in {tm['setup_s']:.1f} s (Ray {tm['ray_init_s']:.1f} s, slowest trainer "
             f"rank {tm['trainer_setup_s']:.1f} s)" +
             (f"; resumed at step {driver.start_step}" if driver.start_step else ""))  # fmt: skip
+        if (w := driver.cluster.warmup) is not None:
+            say(f"onpolicy e2e: trainer compile warm-up: {w['batches']} batches in "
+                f"{w['seconds']:.1f} s, {w['compiles']} Triton compiles "
+                f"({w['compile_seconds']:.1f} s), {w['cache_hits']} from disk")  # fmt: skip
         logger = MetricsLogger(driver.out, run_name=e.cfg.name or "onpolicy", config=e.to_dict(),
                                total_steps=total, start_step=driver.start_step,
                                wandb_project=e.run.wandb_project, wandb_mode=e.run.wandb_mode,

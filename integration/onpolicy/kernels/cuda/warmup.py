@@ -83,21 +83,33 @@ def _tiles(lengths: Sequence[int], q_per_kv: int) -> int:
     return sum(-(-n * q_per_kv // bm) for n in lengths)
 
 
-def warmup_batches(max_tokens: int, top_k: int, q_per_kv: int, kv_heads: int) -> list[list[int]]:
+def warmup_batches(max_tokens: int, top_k: int, q_per_kv: int, kv_heads: int,
+                   min_len: int = 1, scales: Sequence[int] = (1,)) -> list[list[int]]:  # fmt: skip
     """Sequence lengths of the warm-up batches: at each count T on either side of every bound
-    (and 1 and `max_tokens`), one sequence of T tokens (attention's prefill tile), T sequences of
-    one token (its decode tile), and past a partition of keys, one long sequence among short ones
-    (the decode tile with split partitions)."""
-    counts = {1, max_tokens}
+    (and `min_len` and `max_tokens`), one sequence of T tokens (attention's prefill tile), T
+    tokens in sequences of `min_len` (its decode tile), and past a partition of keys, one long
+    sequence among short ones (the decode tile with split partitions). No sequence is shorter
+    than `min_len` (a trainer scores sequences of at least 2 tokens). With `scales`, each
+    bound b is also met at s * b and s * (b + 1) tokens, for a kernel that sees T / s rows."""
+    counts = {min_len, max_tokens}
     for b in token_bounds(top_k, q_per_kv, kv_heads, max_tokens):
-        counts |= {b, b + 1}
+        for s in scales:
+            counts |= {s * b, s * (b + 1)}
     long = attention.KV_PARTITION + 1
     batches = []
-    for t in sorted(c for c in counts if 0 < c <= max_tokens):
-        batches += [[t], [1] * t] if t > 1 else [[1]]
-        if t > long:
-            batches.append([long] + [1] * (t - long))
+    for t in sorted(c for c in counts if min_len <= c <= max_tokens):
+        batches.append([t])
+        if t >= 2 * min_len:
+            batches.append(_short(t, min_len))
+        if t >= long + min_len:
+            batches.append([long, *_short(t - long, min_len)])
     return batches
+
+
+def _short(t: int, min_len: int) -> list[int]:
+    """t tokens in sequences of `min_len`, the last one longer by the remainder."""
+    q, r = divmod(t, min_len)
+    return [min_len] * (q - 1) + [min_len + r]
 
 
 @dataclass
