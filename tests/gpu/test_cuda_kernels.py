@@ -42,16 +42,31 @@ TILES = [L.SMALL_M, L.MID_M, L.LARGE_M, L.LARGE_M_SEGMENTED, L.LARGE_M_INDEXED,
 def test_tile_shape_does_not_change_the_bits(tile, dtype, k, segments):
     """Every tile the GEMM picks by M and S (and others), with TMA loads and with pointer
     loads, gives the same bits on the same rows: 16- and 32-row tiles (mma.sync), 64 to 256
-    rows (wgmma), chunks of 64 and 128."""
+    rows (wgmma), chunks of 64 and 128; in fp32, the tiles its launches run (`launch_tile`:
+    16 to 256 rows, 32 and 64 columns, chunks of 16)."""
     x = wide(200, k, seed=k, dtype=dtype, device="cuda")
     w = wide(300, k, seed=k + 1, dtype=dtype, spread=4, device="cuda")
     ref = K.linear_partial(x, w, segments=segments)
-    for cfg in TILES:
+    for cfg in dict.fromkeys(L.launch_tile(t, dtype) for t in TILES):
         tma_loads = dtype != torch.float32 and cfg[2] * x.element_size() <= 128  # L._tma_fits
         for tma in (True, False) if tma_loads else (False,):
             tile(cfg, tma)
             got = K.linear_partial(x, w, segments=segments)
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (cfg, tma)
+
+
+def test_the_fp32_tile_cap_does_not_change_the_bits(tile, monkeypatch):
+    """fp32 launches cap BLOCK_N and BLOCK_K only to compile faster: a 64 x 64 tile with
+    128-wide chunks, uncapped, gives the capped launch's bits (S = 1 and 2)."""
+    x = wide(200, 2048, seed=9, dtype=torch.float32, device="cuda")
+    w = wide(300, 2048, seed=10, dtype=torch.float32, spread=4, device="cuda")
+    refs = {s: K.linear_partial(x, w, segments=s) for s in (1, 2)}
+    monkeypatch.setattr(L, "FP32_MAX_N", 1 << 10)
+    monkeypatch.setattr(L, "FP32_MAX_K", 1 << 10)
+    assert L.launch_tile(L.MID_M, torch.float32)[1:3] == L.MID_M[1:3]
+    tile(L.MID_M, False)
+    for s, ref in refs.items():
+        assert_bitwise(K.linear_partial(x, w, segments=s), ref, f"S {s}")
 
 
 def test_rows_keep_their_bits_across_the_m_switch():

@@ -1,17 +1,48 @@
 """`onpolicy.bench.compile` compiles the exact GEMM for sm_90 on this CPU (Triton's own ptxas,
 no GPU): one small tile in bf16 and in fp32, whose IEEE dot Triton unrolls into FMA chains over
-the whole tile, so its PTX is the larger."""
+the whole tile, so its PTX is the larger, and smaller again at the tile an fp32 launch runs."""
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_the_gemm_compiles_for_sm90_without_a_gpu():
+    import torch
     from onpolicy.bench.compile import compile_variant
+    from onpolicy.kernels.cuda import linear as L
 
-    bf16 = compile_variant("bf16", "SMALL_M", 1, 2048)
-    fp32 = compile_variant("fp32", "SMALL_M", 1, 2048)
-    assert bf16[0] > 0 and fp32[0] > 0, (bf16, fp32)
+    bf16 = compile_variant("bf16", L.SMALL_M, 1, 2048)
+    fp32 = compile_variant("fp32", (*L.SMALL_M[:4], 1), 1, 2048)
+    capped = compile_variant("fp32", L.launch_tile(L.SMALL_M, torch.float32), 1, 2048)
+    assert bf16[0] > 0 and fp32[0] > 0 and capped[0] > 0, (bf16, fp32, capped)
     assert fp32[1] > 2 * bf16[1] > 0, (bf16, fp32)
+    assert 2 * capped[1] < fp32[1], (capped, fp32)
+
+
+def _launch_tiles():
+    from onpolicy.kernels.cuda import linear as L
+    from onpolicy.kernels.cuda import moe as M
+
+    picked = {L.tile_for(m, n, s, tma) for m in (1, 64, 65, 512, 513, 1 << 16)
+              for n in (128, 4096) for s in (1, 2) for tma in (True, False)}  # fmt: skip
+    return sorted(picked | {M.SMALL_TILE})
+
+
+@pytest.mark.parametrize("tile", _launch_tiles())
+def test_fp32_launches_cap_the_tile_and_half_precision_keeps_it(tile):
+    """Every tile `tile_for` picks (and the MoE's per-pair tile): bf16 and fp16 launches run it
+    as it is; fp32 launches keep its rows and warps (a grouped launch's table is cut by the
+    rows), cap its columns and chunk, and run one stage."""
+    import torch
+    from onpolicy.kernels.cuda import linear as L
+
+    for half in (torch.bfloat16, torch.float16):
+        assert L.launch_tile(tile, half) == tile
+    bm, bn, bk, warps, stages = L.launch_tile(tile, torch.float32)
+    assert (bm, warps, stages) == (tile[0], tile[3], 1), tile
+    assert (bn, bk) == (min(tile[1], L.FP32_MAX_N), min(tile[2], L.FP32_MAX_K)), tile
+    assert bn >= 16 and bk >= 16  # tl.dot's smallest operand
 
 
 def test_the_compile_log_counts_compiles_and_cache_hits_per_label(tmp_path, monkeypatch):

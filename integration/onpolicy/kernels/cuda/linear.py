@@ -14,7 +14,11 @@ whole segments computes an aligned subtree (`rules.row_parallel_exact`).
 The tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) may change with M and S: it decides only
 which outputs a program computes and how wide a chunk is, never the order of an output's sum
 (`tests/gpu/test_cuda_kernels.py` runs every tile on the same rows). There is no split-K over
-programs: the only cut of K is the segments, fixed for the run.
+programs: the only cut of K is the segments, fixed for the run. An fp32 dot (IEEE, no tensor
+cores) is one fused multiply-add per k, in k order, into the accumulator (Triton's FMA
+lowering), so its bits do not depend on the tile either; its code is those FMAs unrolled over
+the tile, so fp32 launches take narrower, shallower tiles (`launch_tile`), which compile
+several times faster (docs/benchmarks.md, "Triton compile time of the GEMM's variants").
 
 M is not specialized (`do_not_specialize`): Triton would compile a variant for M = 1, for M a
 multiple of 16 and for the rest, so the variants a run compiles would follow its batch sizes.
@@ -55,6 +59,9 @@ FORCE: Tile | None = None
 """Tests set this to run every launch at one tile (the bits must not change)."""
 ROW_BOUNDS = (64, 512)
 """The largest M of SMALL_M and of MID_M launches."""
+FP32_MAX_N, FP32_MAX_K = 64, 16
+"""BLOCK_N and BLOCK_K of fp32 launches at most: a thread unrolls BLOCK_M x BLOCK_N x BLOCK_K /
+(32 x warps) FMAs per chunk and segment, and the compile time grows with it."""
 
 
 def tile_for(m: int, n: int, segments: int = 1, tma: bool = True) -> Tile:
@@ -71,6 +78,16 @@ def tile_for(m: int, n: int, segments: int = 1, tma: bool = True) -> Tile:
     if segments == 1 and triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_WAVES * SMS:
         return LARGE_M
     return LARGE_M_SEGMENTED
+
+
+def launch_tile(tile: Tile, dtype: torch.dtype) -> Tile:
+    """The tile a launch of `dtype` inputs runs: `tile` itself for half precision; for fp32, its
+    BLOCK_M and warps (a grouped launch's table is cut by BLOCK_M) with BLOCK_N and BLOCK_K
+    capped and one pipeline stage (the FMA dot gains nothing from deeper prefetch)."""
+    if dtype != torch.float32:
+        return tile
+    bm, bn, bk, warps, _ = tile
+    return bm, min(bn, FP32_MAX_N), min(bk, FP32_MAX_K), warps, 1
 
 
 MAX_SEGMENTS = 64
@@ -314,7 +331,8 @@ def tree_mm(
         out = torch.empty(m, n, device=x.device, dtype=out_dtype or torch.float32)
     grouped, pairs = tiles is not None, pair_experts is not None
     indexed = grouped or pairs or rows is not None or dst is not None or weight2 is not None
-    bm, bn, bk, warps, stages = tile or tile_for(m, n, segments, tma=not indexed)
+    picked = tile or tile_for(m, n, segments, tma=not indexed)
+    bm, bn, bk, warps, stages = launch_tile(picked, x.dtype)
     n_tiles = tiles[0].numel() if grouped else m if pairs else triton.cdiv(m, bm)
     if m == 0 or n == 0 or n_tiles == 0 or k == 0:
         return out.zero_()
@@ -344,7 +362,7 @@ def tree_mm(
         ROW_DIV=row_div, DUAL=dual, OUT_FP32=out_dtype is None,
         SEGMENTS=segments, SEG_K=seg_k, EVEN=seg_k % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
         IEEE=x.dtype == torch.float32, SEAL=SEAL and segments > 1, num_warps=warps,
-        num_stages=stages if x.dtype != torch.float32 else 1,
+        num_stages=stages,
     )  # fmt: skip
     return out
 
