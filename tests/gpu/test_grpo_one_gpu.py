@@ -43,6 +43,8 @@ from onpolicy.grpo.memory import gpu_memory_used  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3000)]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "one-gpu.toml"
 STEPS = 5
+SCORE, TRAIN = "compile/score_kernels", "compile/train_kernels"
+"""Triton kernels trainer rank 0 compiled or loaded in a step's scoring and update."""
 NONDETERMINISTIC = "does not have a deterministic implementation"
 """torch's warning for an op without a deterministic kernel, under warn_only."""
 
@@ -109,17 +111,20 @@ def test_every_step_is_on_policy_on_one_gpu(base):
     run.check_clean()
 
 
-def test_the_trainer_warm_up_leaves_scoring_nothing_to_compile(base):
-    """The trainer's setup scored the warm-up batches (`grpo.compile_warmup`, on by default), so
-    no step's scoring compiled or loaded a Triton kernel (`compile/score_kernels`, counted in
-    trainer rank 0's process)."""
+def test_the_trainer_warm_up_leaves_its_steps_nothing_to_compile(base):
+    """The trainer's setup scored and trained on the warm-up batches (`grpo.compile_warmup`, on
+    by default), so no step's scoring or update compiled or loaded a Triton kernel
+    (`compile/score_kernels`, `compile/train_kernels`, counted in trainer rank 0's process).
+    The Ctrl-C run below, without the warm-up, is the control: its step 1 loads kernels in
+    both phases."""
     run = base[0]
     assert run.code == 0, run.text[-3000:]
     warm = [ln for ln in run.text.splitlines() if "trainer compile warm-up" in ln]
     assert warm, run.text[-3000:]
     rows = run.metrics()
-    print(warm[0], [(r["step"], r.get("compile/score_kernels"), r["time/score_s"]) for r in rows])
-    assert [r.get("compile/score_kernels") for r in rows] == [0] * STEPS, rows
+    print(warm[0], [(r["step"], r.get(SCORE), r.get(TRAIN), r["time/score_s"],
+                     r["time/train_s"]) for r in rows])  # fmt: skip
+    assert [(r.get(SCORE), r.get(TRAIN)) for r in rows] == [(0, 0)] * STEPS, rows
 
 
 def test_a_resume_after_step_2_continues_bit_for_bit(base, seeded, cache, tmp_path):
@@ -162,14 +167,21 @@ def test_the_stock_cuda_rollout_stops_at_step_1_and_bisect_names_the_op(seeded, 
 
 
 def test_ctrl_c_after_step_1_exits_130_and_leaves_nothing(seeded, cache, tmp_path):
+    """Ctrl-C after step 1: exit 130, no process of the run left, the GPU's memory as before.
+    The run has no compile warm-up: its step 1 loads the kernels the warm-up would have
+    (the control of the warm-up test above)."""
     before = gpu_memory_used()
     with stopped_on_error():
-        run = Run(seeded, tmp_path / "interrupted", steps=STEPS, cache=cache)
+        run = Run(seeded, tmp_path / "interrupted", *sets("grpo.compile_warmup=false"),
+                  steps=STEPS, cache=cache)  # fmt: skip
         rows = run.out / "metrics.jsonl"
         assert run.until(lambda: rows.is_file() and rows.read_text().count("\n") >= 1), run.text
         run.proc.send_signal(signal.SIGINT)
         code = run.wait(timeout=600)
     assert code == 130, run.text[-4000:]
+    first = run.metrics()[0]
+    assert "trainer compile warm-up" not in run.text, run.text[-3000:]
+    assert first[SCORE] > 0 and first[TRAIN] > 0, first
     after = gpu_memory_used()
     assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
     run.check_clean()

@@ -213,7 +213,7 @@ class TrainerSpec:
     micro_batch_tokens: int
     """Token budget of one packed micro-batch."""
     compile_warmup: bool = False
-    """On CUDA, score the warm-up batches at setup (`_warm_up`)."""
+    """On CUDA, score and train on the warm-up batches at setup (`_warm_up`)."""
     resume: str = ""
     """A torch-dist checkpoint (root or iteration) to load model and optimizer from."""
     authkey: str = ""
@@ -287,28 +287,48 @@ class TrainerActor:
 
     def _warm_up(self) -> dict:
         """Score the warm-up batches (sequences of token 0, up to one micro-batch; the log-probs
-        are dropped), so the scoring forward's Triton variants compile now. Every rank takes
-        part, as in `score`. The counts around each bound are also scaled by TP, since with
-        sequence parallelism part of a layer sees T / TP rows."""
+        are dropped), then run the update's forward and backward on each (no optimizer step;
+        the gradients are zeroed after), so the Triton variants of both forwards compile now:
+        with gradients the GEMM keeps fp32 partials, so the update's variants are not the
+        scoring ones. Every rank takes part, as in `score` and `train`. The counts around each
+        bound are also scaled by TP, since with sequence parallelism part of a layer sees
+        T / TP rows."""
         from dataclasses import asdict
 
         from onpolicy.kernels.cuda.warmup import warm_up, warmup_batches
         from onpolicy.train.logprobs import logprobs
+        from onpolicy.train.step import forward_backward
 
         c, tp = self.cfg, self.layout.tp
         g = c.num_attention_heads // c.num_key_value_heads
         batches = warmup_batches(self.spec.micro_batch_tokens, c.num_experts_per_tok, g,
                                  max(c.num_key_value_heads // tp, 1), min_len=2,
                                  scales=(1, tp))  # fmt: skip
+        modes = [chunk.training for chunk in self.chunks]
+        cuda = self.spec.device == "cuda"
 
         def forward(lengths: list[int]) -> None:
-            logprobs(self.chunks, [[0] * n for n in lengths], self.spec.temperature,
+            seqs = [[0] * n for n in lengths]
+            logprobs(self.chunks, seqs, self.spec.temperature,
                      micro_batch_tokens=self.spec.micro_batch_tokens)  # fmt: skip
-            torch.cuda.synchronize()
+            batch = {"sequences": seqs, "response_starts": [1] * len(seqs),
+                     "rollout_logprobs": [[0.0] * (n - 1) for n in lengths],
+                     "advantages": [0.0] * len(seqs)}  # fmt: skip
+            for chunk in self.chunks:
+                chunk.train()
+            forward_backward(self.chunks, self._micro_batches(batch), loss=self.spec.loss,
+                             temperature=self.spec.temperature)  # fmt: skip
+            if cuda:
+                torch.cuda.synchronize()
 
         stats = warm_up(forward, batches)
+        self.optimizer.zero_grad()
+        for chunk, mode in zip(self.chunks, modes, strict=True):
+            chunk.zero_grad_buffer()
+            chunk.train(mode)
         self._settle()
-        torch.cuda.empty_cache()  # the warm-up's blocks, back for a colocated engine
+        if cuda:
+            torch.cuda.empty_cache()  # the warm-up's blocks, back for a colocated engine
         return asdict(stats)
 
     # --- collective helpers ---------------------------------------------------------------------
@@ -330,7 +350,7 @@ class TrainerActor:
 
         t0 = time.perf_counter()
         kw = {"routes": True} if routes else {}
-        with self._compiles() as compiles:
+        with self._compiles("score") as compiles:
             out = logprobs(self.chunks, sequences, self.spec.temperature,
                            micro_batch_tokens=self.spec.micro_batch_tokens, **kw)  # fmt: skip
         self._settle()
@@ -341,7 +361,7 @@ class TrainerActor:
                 "compiles": compiles[0] if compiles else None}  # fmt: skip
 
     @contextlib.contextmanager
-    def _compiles(self) -> Iterator[list[int]]:
+    def _compiles(self, label: str) -> Iterator[list[int]]:
         """On CUDA, yields a list that holds, after the block, the Triton kernels this rank
         compiled or loaded from the disk cache inside it (empty on CPU)."""
         out: list[int] = []
@@ -351,7 +371,7 @@ class TrainerActor:
         from onpolicy.kernels.cuda.warmup import CompileLog
 
         log = CompileLog()
-        with log.counting("score"):
+        with log.counting(label):
             yield out
         _, compiles, hits = log.total()
         out.append(compiles + hits)
@@ -359,12 +379,34 @@ class TrainerActor:
     def train(self, batch: dict) -> dict | None:
         """One PPO-clip step on the global batch (the same on every rank): sequences, the
         rollout's log-probs (the sampling policy), per-sample advantages, response starts."""
+        from onpolicy.train.step import train_step
+
+        t0 = time.perf_counter()
+        with self._compiles("train") as compiles:
+            result = train_step(self.chunks, self.optimizer, self._micro_batches(batch),
+                                loss=self.spec.loss, temperature=self.spec.temperature)  # fmt: skip
+        self.iteration += 1
+        self._settle()
+        if self.spec.device == "cuda":
+            # Hand the step's cached activation blocks back to the driver: a colocated engine
+            # takes its weights and KV cache back next, on the same GPU.
+            torch.cuda.empty_cache()
+        if self.rank != 0:
+            return None
+        return {"loss": result.loss, "grad_norm": result.grad_norm,
+                "num_tokens": result.num_tokens, **result.metrics,
+                "seconds": time.perf_counter() - t0,
+                "compiles": compiles[0] if compiles else None}  # fmt: skip
+
+    def _micro_batches(self, batch: dict) -> list:
+        """This rank's packed micro-batches of `batch` (see `train`): per predicted token the
+        rollout's log-prob and the advantage on the response, masked off on the prompt, and
+        the frozen policy's log-probs when the loss has a KL term."""
         import torch.distributed as dist
 
         from onpolicy.train.logprobs import logprobs
-        from onpolicy.train.step import policy_micro_batches, train_step
+        from onpolicy.train.step import policy_micro_batches
 
-        t0 = time.perf_counter()
         seqs, starts = batch["sequences"], batch["response_starts"]
         old, adv, mask = [], [], []
         for seq, start, lps, a in zip(seqs, starts, batch["rollout_logprobs"],
@@ -383,21 +425,8 @@ class TrainerActor:
                             micro_batch_tokens=self.spec.micro_batch_tokens)]  # fmt: skip
             dist.broadcast_object_list(box, src=0)
             ref = box[0]
-        mbs = policy_micro_batches(seqs, old, adv, mask, ref_logprobs=ref,
-                                   micro_batch_tokens=self.spec.micro_batch_tokens)  # fmt: skip
-        result = train_step(self.chunks, self.optimizer, mbs, loss=self.spec.loss,
-                            temperature=self.spec.temperature)  # fmt: skip
-        self.iteration += 1
-        self._settle()
-        if self.spec.device == "cuda":
-            # Hand the step's cached activation blocks back to the driver: a colocated engine
-            # takes its weights and KV cache back next, on the same GPU.
-            torch.cuda.empty_cache()
-        if self.rank != 0:
-            return None
-        return {"loss": result.loss, "grad_norm": result.grad_norm,
-                "num_tokens": result.num_tokens, **result.metrics,
-                "seconds": time.perf_counter() - t0}  # fmt: skip
+        return policy_micro_batches(seqs, old, adv, mask, ref_logprobs=ref,
+                                    micro_batch_tokens=self.spec.micro_batch_tokens)  # fmt: skip
 
     def capture(self, sequence: list[int], out_dir: str) -> None:
         """Score one sequence with every rank's per-layer points captured into `out_dir`

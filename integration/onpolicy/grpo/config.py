@@ -70,8 +70,8 @@ class GRPOConfig:
     micro_batch_tokens: int = 4096
     """Token budget of one packed trainer micro-batch."""
     compile_warmup: bool = True
-    """On CUDA, every trainer rank scores the warm-up batches at setup, so the scoring
-    forward's Triton variants compile there and not at step 1 (`onpolicy.kernels.cuda.warmup`)."""
+    """On CUDA, every trainer rank scores and trains on the warm-up batches at setup (no optimizer
+    step), so both forwards' Triton variants compile there and not at step 1."""
     seed: int = 0
     """Seed of the prompts and of every sample's sampling seed."""
     true_on_policy: bool = True

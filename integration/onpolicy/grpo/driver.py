@@ -49,7 +49,7 @@ from onpolicy.grpo.config import E2EConfig
 from onpolicy.grpo.evaluation import eval_due, eval_metrics
 from onpolicy.grpo.filtering import fill, select_groups
 from onpolicy.grpo.memory import GpuReader, PhasePeaks, gpu_memory_used, run_rss_mib
-from onpolicy.grpo.metrics import SCORE_COMPILES
+from onpolicy.grpo.metrics import SCORE_COMPILES, TRAIN_COMPILES
 from onpolicy.grpo.procs import RUN_ID_ENV
 from onpolicy.grpo.rewards import RewardError, reward_metrics
 from onpolicy.grpo.tasks import Task, TaskContext, make_task
@@ -438,6 +438,8 @@ class Driver:
         }
         with self._phase("train"):
             trained = self._all(self.trainers, "trainer rank", "train", batch)[0]
+        if trained["compiles"] is not None:
+            metrics[TRAIN_COMPILES] = trained["compiles"]
         if self._release:
             with self._phase("resume"):
                 self._all(self.engines, "engine", "resume_memory")
