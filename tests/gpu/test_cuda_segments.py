@@ -17,11 +17,16 @@ from onpolicy.kernels.cuda import linear as L
 
 pytestmark = pytest.mark.gpu
 
-WIDTHS = (48, 96, 192, 128)
+WIDTHS = (16, 48, 96, 192, 128)
 """Segment widths: 48 and 96 are under one 128-wide chunk, 96 and 192 no whole number of 64-
-or 128-wide chunks, 128 exactly one chunk."""
+or 128-wide chunks, 128 exactly one chunk; 16 is one chunk of an fp32 launch (16-wide chunks,
+`linear.launch_tile`), where the wider ones are several."""
 ROWS = (5, 300, 1000)
-"""M on each of the GEMM's tile classes (small: 128-wide chunks, mid, large: 64-wide)."""
+"""M on each of the GEMM's tile classes (small: 128-wide chunks, mid, large: 64-wide; fp32:
+16-wide at each)."""
+CONTROL = {torch.bfloat16: (768, 8), torch.float32: (128, 8)}
+"""(K, S) of the seal's control per dtype, segments of one chunk: Qwen3-30B-A3B's expert K = 768
+at S = 8 in bf16 (96 wide, one chunk at the small-M tile), 16 wide in fp32."""
 
 
 def _cases():
@@ -66,12 +71,13 @@ def test_shards_of_any_segment_width_are_exact(width, s, tp, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_negative_control_without_the_seal_shards_differ(unsealed, dtype):
-    """Qwen3-30B-A3B's expert K = 768 at S = 8 (96-wide segments, one chunk each), the case an
-    H200 check found broken: without the seal the same harness counts differing outputs."""
-    w = wide(96, 768, seed=8, dtype=dtype, spread=4, device="cuda")
-    counts = [_differ(wide(m, 768, seed=7 + m, dtype=dtype, device="cuda"), w, 8, 8)
+    """Segments of one chunk each (`CONTROL`; in bf16 the case an H200 check found broken),
+    one per shard: without the seal the same harness counts differing outputs."""
+    k, s = CONTROL[dtype]
+    w = wide(96, k, seed=8, dtype=dtype, spread=4, device="cuda")
+    counts = [_differ(wide(m, k, seed=7 + m, dtype=dtype, device="cuda"), w, s, s)
               for m in ROWS]  # fmt: skip
-    print(f"unsealed, {dtype}: differing outputs at M {ROWS}: {counts}")
+    print(f"unsealed, {dtype}, K {k} S {s}: differing outputs at M {ROWS}: {counts}")
     assert sum(counts) > 0, counts
 
 
