@@ -37,7 +37,8 @@ def main() -> None:
     spec = TrainerSpec(layout=ParallelLayout(world=1), dtype="float32", device="cpu",
                        ckpt=args.ckpt, master_addr="127.0.0.1",
                        optimizer=OptimizerSettings(lr=1e-3), loss=PPOClipConfig(kl_coef=0.1),
-                       sync=None, temperature=1.0, micro_batch_tokens=MICRO_BATCH_TOKENS)  # fmt: skip
+                       sync=None, temperature=1.0,
+                       micro_batch_tokens=MICRO_BATCH_TOKENS)  # fmt: skip
     actor = TrainerActor(0, spec)
     actor.open_rendezvous()
     actor.setup(0)
