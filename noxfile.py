@@ -141,8 +141,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks (not timed tests), recorded in docs/benchmarks.md: bytes per rank of the exact
     collectives, the training-step time of the exact vs the local spec, the rollout tokens/s
     of the exact vs the stock engine, the time and bytes of a weight sync and the tiny GRPO
-    run's wall time per phase, the Triton compile time of the GEMM's variants (for sm_90, on
-    the CPU); with `-- --gpu`
+    run's wall time per phase, the Triton compile time of the GEMM's and attention's variants
+    (for sm_90, on the CPU); with `-- --gpu`
     (a CUDA host) the exact kernels vs cuBLAS/SDPA/plain torch, the full-size prefill ==
     decode check and the exact vs the stock engine's rollout tokens/s on CUDA instead."""
     if "--gpu" in session.posargs:

@@ -20,6 +20,18 @@ def test_the_gemm_compiles_for_sm90_without_a_gpu():
     assert 2 * capped[1] < fp32[1], (capped, fp32)
 
 
+def test_attention_compiles_for_sm90_without_a_gpu():
+    """Attention's kernel at the decode tile, split, in both dtypes: fp32's FMA chains are the
+    larger code."""
+    from onpolicy.bench.compile import compile_attention
+    from onpolicy.kernels.cuda import attention as A
+
+    bf16 = compile_attention("bf16", A.DECODE, True)
+    fp32 = compile_attention("fp32", A.DECODE, True)
+    assert bf16[0] > 0 and fp32[0] > 0, (bf16, fp32)
+    assert fp32[1] > 2 * bf16[1] > 0, (bf16, fp32)
+
+
 def _launch_tiles():
     from onpolicy.kernels.cuda import linear as L
     from onpolicy.kernels.cuda import moe as M

@@ -12,7 +12,8 @@ bf16 (tensor-core dots), and in fp32 (IEEE dots, which Triton lowers to FMA chai
 the whole tile, hence the code size) both at the tile an fp32 launch runs (`launch_tile`) and,
 for comparison, at the bf16 tile uncapped. Each is compiled once into an empty cache, so the
 time is the whole compile: front end, the MLIR passes, LLVM and ptxas. The TMA kernel (bf16
-plain GEMMs at large M) takes tensor descriptors and is left out.
+plain GEMMs at large M) takes tensor descriptors and is left out. Then attention's kernel at its
+two tiles, fused and split, in bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from onpolicy.bench import commit, write_section
 
-HEADING = "## Triton compile time of the GEMM's variants (sm_90, compiled on the CPU)"
+HEADING = "## Triton compile time of the kernels' variants (sm_90, compiled on the CPU)"
 """The section this benchmark owns in docs/benchmarks.md."""
 TILES = ("SMALL_M", "MID_M", "LARGE_M_INDEXED", "LARGE_M_SEGMENTED_INDEXED")
 """`linear` tiles `tile_for` picks for pointer-load launches (by name)."""
@@ -36,10 +37,6 @@ def compile_variant(dtype: str, tile: tuple[int, int, int, int, int], segments: 
                     k: int) -> tuple[float, int]:  # fmt: skip
     """(seconds, PTX characters) of one compile of `_mm_kernel` at `tile` for sm_90 into an
     empty cache."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from onpolicy.kernels.cuda import linear as L
 
     bm, bn, bk, warps, stages = tile
@@ -57,21 +54,52 @@ def compile_variant(dtype: str, tile: tuple[int, int, int, int, int], segments: 
              "DUAL": False, "OUT_FP32": True, "SEGMENTS": segments, "SEG_K": seg_k,
              "EVEN": seg_k % bk == 0, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8,
              "IEEE": fp32, "SEAL": True}  # fmt: skip
-    options = {"num_warps": warps, "num_stages": stages}
+    return _compile(L._mm_kernel, sig, const, {"num_warps": warps, "num_stages": stages})
+
+
+def compile_attention(dtype: str, tile: tuple[int, int, int], split: bool,
+                      group: int = 8, head_dim: int = 128) -> tuple[float, int]:  # fmt: skip
+    """(seconds, PTX characters) of one compile of `attention._attn_kernel` at `tile` (rows,
+    warps, stages) for sm_90 into an empty cache; Qwen3-30B-A3B's GQA group and head_dim."""
+    from onpolicy.kernels.cuda import attention as A
+    from onpolicy.kernels.rules import KV_BLOCK
+
+    bm, warps, stages = tile
+    ptr = "*fp32" if dtype == "fp32" else "*bf16"
+    sig = dict.fromkeys(A._attn_kernel.arg_names, "constexpr")
+    sig |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), ptr)
+    sig |= {"ws_ptr": "*fp32", "sched_ptr": "*i64", "pages_ptr": "*i64", "scale": "fp32"}
+    sig |= dict.fromkeys(("n_tiles", "stride_pages", "page_size", "stride_qt", "stride_qh",
+                          "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
+                          "stride_oh"), "i32")  # fmt: skip
+    const = {"G": group, "D": head_dim, "BM": bm, "BN": KV_BLOCK,
+             "LOG_BN": KV_BLOCK.bit_length() - 1, "P": A.KV_PARTITION, "SPLIT": split,
+             "IEEE": dtype == "fp32", "PLAIN": False}  # fmt: skip
+    options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
+    return _compile(A._attn_kernel, sig, const, options)
+
+
+def _compile(kernel, sig: dict, const: dict, options: dict) -> tuple[float, int]:
+    """Compile `kernel` for sm_90 into an empty cache: (seconds, PTX characters)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     with tempfile.TemporaryDirectory(prefix="onpolicy-compile-") as cache:
         saved = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = cache
         try:
             t0 = time.perf_counter()
-            kernel = triton.compile(ASTSource(L._mm_kernel, sig, const),
-                                    target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+            target = GPUTarget("cuda", 90, 32)
+            compiled = triton.compile(ASTSource(kernel, sig, const), target=target,
+                                      options=options)  # fmt: skip
             seconds = time.perf_counter() - t0
         finally:
             if saved is None:
                 os.environ.pop("TRITON_CACHE_DIR", None)
             else:
                 os.environ["TRITON_CACHE_DIR"] = saved
-    return seconds, len(kernel.asm["ptx"])
+    return seconds, len(compiled.asm["ptx"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,6 +130,15 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(f"| {name} {tile} | {s} | {tb:.2f} | {pb // 1024} | {tu:.2f} | "
                         f"{pu // 1024} | {fp32_tile} | {tf:.2f} | {pf // 1024} |")  # fmt: skip
             print(rows[-1], flush=True)
+    from onpolicy.kernels.cuda import attention as A
+
+    attn = []
+    for name, tile in (("DECODE", A.DECODE), ("PREFILL", A.PREFILL)):
+        for split in (False, True):
+            (tb, pb), (tf, pf) = (compile_attention(dt, tile, split) for dt in ("bf16", "fp32"))
+            attn.append(f"| {name} {tile} | {'split' if split else 'fused'} | {tb:.2f} | "
+                        f"{pb // 1024} | {tf:.2f} | {pf // 1024} |")  # fmt: skip
+            print(attn[-1], flush=True)
     text = "\n".join([
         HEADING, "",
         f"`python -m onpolicy.bench.compile`, {time.strftime('%Y-%m-%d', time.gmtime())}, "
@@ -118,7 +155,13 @@ def main(argv: list[str] | None = None) -> None:
         "the S segments are unrolled too (`tl.static_range`): fp32 code grows with the tile "
         "and with S, where a bf16 dot is a few tensor-core instructions. fp32 launches cap "
         f"BLOCK_N at {L.FP32_MAX_N} and BLOCK_K at {L.FP32_MAX_K} (`linear.launch_tile`; the "
-        "bits do not depend on the tile).",
+        "bits do not depend on the tile).", "",
+        "Attention (`attention._attn_kernel`, Qwen3-30B-A3B's heads: 8 query heads a KV head, "
+        "head_dim 128), each tile `tile_for` picks, fused and split; tile = (rows, warps, "
+        "stages). Its fp32 dots are FMA chains too, over head_dim and over each 64-key block, "
+        "and unlike the GEMM no launch choice caps them: the smallest tile has 16 rows.", "",
+        "| tile | schedule | bf16 s | bf16 PTX KiB | fp32 s | fp32 PTX KiB |",
+        "|---|---|---|---|---|---|", *attn,
     ])  # fmt: skip
     print(text)
     if args.out:

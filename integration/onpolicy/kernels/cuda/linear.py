@@ -18,7 +18,7 @@ programs: the only cut of K is the segments, fixed for the run. An fp32 dot (IEE
 cores) is one fused multiply-add per k, in k order, into the accumulator (Triton's FMA
 lowering), so its bits do not depend on the tile either; its code is those FMAs unrolled over
 the tile, so fp32 launches take narrower, shallower tiles (`launch_tile`), which compile
-several times faster (docs/benchmarks.md, "Triton compile time of the GEMM's variants").
+several times faster (docs/benchmarks.md, "Triton compile time of the kernels' variants").
 
 M is not specialized (`do_not_specialize`): Triton would compile a variant for M = 1, for M a
 multiple of 16 and for the rest, so the variants a run compiles would follow its batch sizes.
