@@ -122,11 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             tb, pb = compile_variant("bf16", tile, s, args.k)
             tu, pu = compile_variant("fp32", (*tile[:4], 1), s, args.k)
             tf, pf = compile_variant("fp32", fp32_tile, s, args.k)
-            totals["bf16"], totals["uncapped"], totals["fp32"] = (
-                totals["bf16"] + tb,
-                totals["uncapped"] + tu,
-                totals["fp32"] + tf,
-            )
+            for key, seconds in (("bf16", tb), ("uncapped", tu), ("fp32", tf)):
+                totals[key] += seconds
             rows.append(f"| {name} {tile} | {s} | {tb:.2f} | {pb // 1024} | {tu:.2f} | "
                         f"{pu // 1024} | {fp32_tile} | {tf:.2f} | {pf // 1024} |")  # fmt: skip
             print(rows[-1], flush=True)

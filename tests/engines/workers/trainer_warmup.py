@@ -1,7 +1,7 @@
 """One GRPO trainer rank at world 1 on CPU/gloo, as the loop runs it (`TrainerActor`): set up
 from the tiny checkpoint (fp32, a KL term, so a frozen reference model too), then, by --before,
 nothing, the setup's compile warm-up (`_warm_up`: scoring and the update's forward and backward
-on the warm-up batches), or one real step on the first warm-up batch (the control); then one
+on the warm-up batches), or one real step on another seeded batch (the control); then one
 PPO step on a seeded batch. Prints one JSON line: the step's loss and grad norm (float hex) and
 the digest of every parameter after it."""
 
@@ -12,7 +12,6 @@ import json
 
 import torch
 from onpolicy.grpo.actors import TrainerActor, TrainerSpec
-from onpolicy.kernels.cuda.warmup import warmup_batches
 from onpolicy.layout import ParallelLayout
 from onpolicy.train.loss import PPOClipConfig
 from onpolicy.train.step import OptimizerSettings
@@ -46,13 +45,7 @@ def main() -> None:
     if args.before == "warmup":
         warmed = actor._warm_up()["batches"]
     elif args.before == "step":
-        c = actor.cfg
-        first = warmup_batches(MICRO_BATCH_TOKENS, c.num_experts_per_tok,
-                               c.num_attention_heads // c.num_key_value_heads,
-                               c.num_key_value_heads, min_len=2)[0]  # fmt: skip
-        actor.train({"sequences": [[0] * n for n in first], "response_starts": [1] * len(first),
-                     "rollout_logprobs": [[0.0] * (n - 1) for n in first],
-                     "advantages": [1.0] * len(first)})  # fmt: skip
+        actor.train(batch(actor.cfg.vocab_size, seed=8))
     out = actor.train(batch(actor.cfg.vocab_size, seed=7))
     print(json.dumps({"warmup_batches": warmed, "loss": float(out["loss"]).hex(),
                       "grad_norm": float(out["grad_norm"]).hex(),
