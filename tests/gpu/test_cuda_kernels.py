@@ -13,7 +13,7 @@ import pytest
 import torch
 from adversarial import wide
 from onpolicy import kernels as K
-from onpolicy.bits import assert_bitwise, n_differ
+from onpolicy.bits import assert_bitwise, bitwise_equal, n_differ
 from onpolicy.kernels.cuda import attention as A
 from onpolicy.kernels.cuda import linear as L
 from onpolicy.kernels.cuda import moe as M
@@ -57,10 +57,13 @@ def test_tile_shape_does_not_change_the_bits(tile, dtype, k, segments):
 
 def test_the_fp32_tile_cap_does_not_change_the_bits(tile, monkeypatch):
     """fp32 launches cap BLOCK_N and BLOCK_K only to compile faster: a 64 x 64 tile with
-    128-wide chunks, uncapped, gives the capped launch's bits (S = 1 and 2)."""
+    128-wide chunks, uncapped, gives the capped launch's bits (S = 1 and 2). Control: the plain
+    fp32 matmul (cuBLAS, no TF32) gives other bits in the same comparison."""
     x = wide(200, 2048, seed=9, dtype=torch.float32, device="cuda")
     w = wide(300, 2048, seed=10, dtype=torch.float32, spread=4, device="cuda")
     refs = {s: K.linear_partial(x, w, segments=s) for s in (1, 2)}
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert not bitwise_equal(x @ w.T, refs[1]), "plain fp32 matmul"
     monkeypatch.setattr(L, "FP32_MAX_N", 1 << 10)
     monkeypatch.setattr(L, "FP32_MAX_K", 1 << 10)
     assert L.launch_tile(L.MID_M, torch.float32)[1:3] == L.MID_M[1:3]
