@@ -1,4 +1,4 @@
-"""The trainer's compile warm-up (`TrainerActor._warm_up`: scoring, then the update's forward
+"""The trainer's compile warm-up (`TrainerActor.warm_up`: scoring, then the update's forward
 and backward, on the warm-up batches, with no optimizer step) leaves nothing behind: the next
 PPO step gives the loss, the gradient norm and the parameters, bit for bit, that it gives with
 no warm-up. On CUDA the warm-up runs at every setup (a resumed run too), so a trace of it

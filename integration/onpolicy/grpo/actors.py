@@ -212,8 +212,6 @@ class TrainerSpec:
     """Scoring temperature (the sampling one)."""
     micro_batch_tokens: int
     """Token budget of one packed micro-batch."""
-    compile_warmup: bool = False
-    """On CUDA, score and train on the warm-up batches at setup (`_warm_up`)."""
     resume: str = ""
     """A torch-dist checkpoint (root or iteration) to load model and optimizer from."""
     authkey: str = ""
@@ -281,11 +279,10 @@ class TrainerActor:
             manifest = torch_dist.load(s.resume, self.chunks, optimizer=self.optimizer,
                                        cfg=self.cfg, layout=self.layout)  # fmt: skip
             self.iteration = int(manifest["iteration"])
-        warmup = self._warm_up() if s.compile_warmup and s.device == "cuda" else None
         return {"rank": self.rank, "pid": os.getpid(), "iteration": self.iteration,
-                "setup_s": time.perf_counter() - t0, "warmup": warmup}  # fmt: skip
+                "setup_s": time.perf_counter() - t0}  # fmt: skip
 
-    def _warm_up(self) -> dict:
+    def warm_up(self) -> dict:
         """Score the warm-up batches (sequences of token 0, up to one micro-batch; the log-probs
         are dropped), then run the update's forward and backward on each (no optimizer step;
         the gradients are zeroed after), so the Triton variants of both forwards compile now:

@@ -51,7 +51,7 @@ class Cluster:
         """Each actor's process id, by name ("trainer rank 3", "engine0")."""
         self.times: dict[str, float] = {}
         self.warmup: dict | None = None
-        """Trainer rank 0's compile warm-up at setup (`TrainerActor._warm_up`), if it ran."""
+        """Trainer rank 0's compile warm-up (`TrainerActor.warm_up`), if it ran."""
 
     def start(self, ckpt: Path, resume_from: Path | None) -> list[dict]:
         """Ray up, every actor placed, started and set up; the engines' start reports."""
@@ -67,9 +67,27 @@ class Cluster:
         setups = [(f"trainer rank {g}", a.setup.remote(port)) for g, a in enumerate(self.trainers)]
         values = self.wait(starts + setups, "start", self.e.run.start_timeout_s)
         self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
-        self.warmup = values[len(self.engines)]["warmup"]  # trainer rank 0's, or None
         self.pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
+        self.warmup = self._warm_up()
         return values[: len(self.engines)]
+
+    def _warm_up(self) -> dict | None:
+        """The trainers' compile warm-up (`TrainerActor.warm_up`), on CUDA once the engines are
+        up, never beside an engine's start: SGLang sizes its KV pool from the memory free as it
+        starts, and the warm-up's update takes memory meanwhile. A colocated engine releases its
+        memory around it, as around every step's update. Trainer rank 0's report."""
+        e = self.e
+        if not (e.grpo.compile_warmup and e.cfg.device == "cuda"):
+            return None
+        t0 = time.perf_counter()
+        colocated = e.cfg.rollout.colocate
+        if colocated:
+            self.all(self.engines, "engine", "release_memory")
+        stats = self.all(self.trainers, "trainer rank", "warm_up")[0]
+        if colocated:
+            self.all(self.engines, "engine", "resume_memory")
+        self.times["warmup_s"] = time.perf_counter() - t0
+        return stats
 
     def _ray_init(self) -> None:
         r = self.e.run
@@ -146,7 +164,6 @@ class Cluster:
                            optimizer=e.optimizer, loss=e.loss, sync=e.sync,
                            temperature=e.grpo.temperature,
                            micro_batch_tokens=e.grpo.micro_batch_tokens,
-                           compile_warmup=e.grpo.compile_warmup,
                            resume=str(resume_from or ""), authkey=self.authkey)  # fmt: skip
         trainer_env = {**plan.training_env, **base, "OMP_NUM_THREADS": "1"}
         Trainer = ray.remote(TrainerActor)

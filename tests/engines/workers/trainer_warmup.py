@@ -1,6 +1,6 @@
 """One GRPO trainer rank at world 1 on CPU/gloo, as the loop runs it (`TrainerActor`): set up
 from the tiny checkpoint (fp32, a KL term, so a frozen reference model too), then, by --before,
-nothing, the setup's compile warm-up (`_warm_up`: scoring and the update's forward and backward
+nothing, the setup's compile warm-up (`warm_up`: scoring and the update's forward and backward
 on the warm-up batches), or one real step on another seeded batch (the control); then one
 PPO step on a seeded batch. Prints one JSON line: the step's loss and grad norm (float hex) and
 the digest of every parameter after it."""
@@ -43,7 +43,7 @@ def main() -> None:
     actor.setup(0)
     warmed = None
     if args.before == "warmup":
-        warmed = actor._warm_up()["batches"]
+        warmed = actor.warm_up()["batches"]
     elif args.before == "step":
         actor.train(batch(actor.cfg.vocab_size, seed=8))
     out = actor.train(batch(actor.cfg.vocab_size, seed=7))
