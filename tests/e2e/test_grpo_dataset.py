@@ -6,7 +6,9 @@ task in test_grpo.py, and the data path does not depend on them.
 
 Three processes:
 - `math`: 3 steps of the config as it is, math-verify rewards, eval at step 2 (eval.every) and
-  at the end. A random tiny model answers no question right, so it does not learn.
+  at the end. A random tiny model answers no question right, so it does not learn. It runs the
+  trainers' compile warm-up on the CPU (`grpo.compile_warmup = "always"`), and after it the
+  weight sync, whose verify shows the warm-up left the weights as loaded.
 - `first` and `resumed`: the same data with a custom reward by path
   (`reward_fixtures:has_digit`, a dict reward a random model earns now and then) and group
   filtering on, so most groups are dropped and refilled from the stream and the kept ones
@@ -15,7 +17,8 @@ Three processes:
   `latest` is then set back to step 2, what a run killed between publishing step 3's folder
   and moving `latest` leaves. `resumed` continues it with `--resume`: it sets the unpublished
   save aside, and from step 2 (the stream at the position step 2 saved) makes step 3 again,
-  bit for bit the step `first` made (metrics and weights), then step 4.
+  bit for bit the step `first` made (metrics and weights), then step 4. `resumed` runs the
+  warm-up and `first` does not: the warm-up changes no bit of the step after it.
 
 Checked: abs_diff and kl 0.0 at every step; every reward is its function on the response decoded
 from its ids; the eval metrics where due; every step's prompts are the stream's at that step's
@@ -45,11 +48,15 @@ from cli_run import (
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu-math.toml"
 FIXTURES = REPO / "tests" / "unit"  # reward_fixtures
+# Micro-batches of 512 tokens (a sequence here has at most 272) keep the CPU warm-up's largest
+# batches small.
 SMALL = ("run.wandb_mode=disabled", "training.world=2", "training.tp=2", "training.pp=1",
-         "training.ep=1", "rollout.engines=1", "rollout.tp=1", "rollout.ep=1")  # fmt: skip
+         "training.ep=1", "rollout.engines=1", "rollout.tp=1", "rollout.ep=1",
+         "grpo.micro_batch_tokens=512")  # fmt: skip
 FILTERED = ("run.checkpoint_every=1", 'reward.name="custom"',
             'reward.path="reward_fixtures:has_digit"', "grpo.filter_groups=true",
             "grpo.filter_max_batches=3")  # fmt: skip
+WARM = ('grpo.compile_warmup="always"',)
 N, WANT, TOKENS = 4, 4, 16  # the config's samples_per_prompt, prompts_per_step, max_new_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # its runs' fixture included
@@ -59,7 +66,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # its runs' fixture 
 def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("e2e-math")
     with stopped_on_error():
-        math = Run(CONFIG, root / "math", *sets(*SMALL), steps=3, log="math",
+        math = Run(CONFIG, root / "math", *sets(*SMALL, *WARM), steps=3, log="math",
                    cache=compile_cache)  # fmt: skip
         math.wait()
         filtered = sets(*SMALL, *FILTERED)
@@ -71,8 +78,8 @@ def runs(tmp_path_factory, compile_cache) -> dict[str, Run]:
         first_rows = first.metrics()  # the resume rewrites the rows after its start
         # Step 3's save published, `latest` not moved: what a run killed between the two leaves.
         (first.out / "checkpoints" / "latest").write_text("2\n")
-        resumed = Run(CONFIG, root / "filtered", "--resume", *filtered, steps=4, log="resumed",
-                      cache=compile_cache, path=(FIXTURES,))  # fmt: skip
+        resumed = Run(CONFIG, root / "filtered", "--resume", *filtered, *sets(*WARM), steps=4,
+                      log="resumed", cache=compile_cache, path=(FIXTURES,))  # fmt: skip
         resumed.wait()
         return {"math": math, "first": first, "first_rows": first_rows, "resumed": resumed}
 
@@ -91,6 +98,11 @@ def task(runs):
     t.close()
 
 
+def _warmed_up(run: Run) -> int:
+    """How many compile warm-ups the run's log reports."""
+    return sum("trainer compile warm-up: " in ln for ln in run.text.splitlines())
+
+
 def _check_finish(s: dict, task) -> None:
     stop = s["output_ids"][-1] in task.stop_token_ids()
     assert (s["finish"] == "length") == (not stop and len(s["output_ids"]) == TOKENS), s
@@ -102,6 +114,9 @@ def test_math_run_is_on_policy(runs):
     assert "data: 64 of 64 training prompts (0 longer than data.max_prompt_tokens" in run.text
     rows = run.metrics()
     assert_on_policy(rows, 3, run.text)
+    assert _warmed_up(run) == 1, run.text[-3000:]
+    # The sync after the warm-up kept the engines' own version: step 1 samples the start weights.
+    assert rows[0]["rollout/weight_version"] == "default", rows[0]
     for r in rows:
         assert r["data/position"] == WANT * r["step"], r
         assert 0.0 <= r["response/truncated_frac"] <= 1.0 and "reward/answered" in r, r
@@ -178,7 +193,9 @@ def test_filtered_run_is_on_policy_and_resumes(runs):
     assert len(aside) == 1 and "iter_0000003" in aside[0], resumed.text[-3000:]
     rows = resumed.metrics()
     assert_on_policy(rows, 4, resumed.text)
-    # Step 3 made again from step 2's save: the interrupted run's step 3, bit for bit.
+    assert (_warmed_up(first), _warmed_up(resumed)) == (0, 1), resumed.text[-3000:]
+    # Step 3 made again from step 2's save, after a warm-up: the interrupted run's step 3, bit
+    # for bit.
     assert [steady(r) for r in rows[:3]] == [steady(r) for r in runs["first_rows"][:3]]
     from onpolicy.checkpoint.torch_dist import global_tensors
 

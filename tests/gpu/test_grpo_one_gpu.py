@@ -112,9 +112,10 @@ def test_every_step_is_on_policy_on_one_gpu(base):
 
 
 def test_the_trainer_warm_up_leaves_its_steps_nothing_to_compile(base):
-    """The trainer's setup scored and trained on the warm-up batches (`grpo.compile_warmup`, on
-    by default), so no step's scoring or update compiled or loaded a Triton kernel
-    (`compile/score_kernels`, `compile/train_kernels`, counted in trainer rank 0's process).
+    """Before step 1 the trainers scored and trained on the warm-up batches
+    (`grpo.compile_warmup = "cuda"`, the default), so no step's scoring or update compiled or
+    loaded a Triton kernel (`compile/score_kernels`, `compile/train_kernels`, counted in trainer
+    rank 0's process).
     The Ctrl-C run below, without the warm-up, is the control: its step 1 loads kernels in
     both phases."""
     run = base[0]
@@ -172,7 +173,7 @@ def test_ctrl_c_after_step_1_exits_130_and_leaves_nothing(seeded, cache, tmp_pat
     (the control of the warm-up test above)."""
     before = gpu_memory_used()
     with stopped_on_error():
-        run = Run(seeded, tmp_path / "interrupted", *sets("grpo.compile_warmup=false"),
+        run = Run(seeded, tmp_path / "interrupted", *sets('grpo.compile_warmup="never"'),
                   steps=STEPS, cache=cache)  # fmt: skip
         rows = run.out / "metrics.jsonl"
         assert run.until(lambda: rows.is_file() and rows.read_text().count("\n") >= 1), run.text

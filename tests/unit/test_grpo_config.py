@@ -71,6 +71,7 @@ def test_the_contract_ignores_the_loop_tables_but_the_loop_checks_them():
         ({"grpo.samples_per_prompt": 0}, "grpo_config", ["grpo.samples_per_prompt = 0"]),
         ({"grpo.temperature": 0.0}, "grpo_config", ["grpo.temperature = 0.0"]),
         ({"grpo.rollout_path": "fast"}, "grpo_config", ["'fast'", "'exact' or 'stock'"]),
+        ({"grpo.compile_warmup": "yes"}, "grpo_config", ["'yes'", "'cuda', 'always' or 'never'"]),
         ({"grpo.steps": "two"}, "config_types", ["'grpo.steps'", "int"]),
         ({"loss.kl_estimator": "k4"}, "config_types", ["'loss.kl_estimator'", "'k3'"]),
         ({"loss.eps_clip_low": 1.5}, "loss_config", ["eps_clip_low", "1.5"]),

@@ -68,26 +68,33 @@ class Cluster:
         values = self.wait(starts + setups, "start", self.e.run.start_timeout_s)
         self.times["trainer_setup_s"] = max(v["setup_s"] for v in values[len(self.engines) :])
         self.pids = {name: v["pid"] for (name, _), v in zip(starts + setups, values, strict=True)}
-        self.warmup = self._warm_up()
         return values[: len(self.engines)]
 
-    def _warm_up(self) -> dict | None:
-        """The trainers' compile warm-up (`TrainerActor.warm_up`), on CUDA once the engines are
-        up, never beside an engine's start: SGLang sizes its KV pool from the memory free as it
-        starts, and the warm-up's update takes memory meanwhile. A colocated engine releases its
-        memory around it, as around every step's update. Trainer rank 0's report."""
+    def warm_up(self) -> dict | None:
+        """The trainers' compile warm-up (`TrainerActor.warm_up`) where grpo.compile_warmup asks
+        for it; trainer rank 0's report, or None. Only once the engines are up, never beside an
+        engine's start: SGLang sizes its pool from the memory free as it starts. A colocated
+        CUDA engine releases its memory around it, as around every step's update, and holds no
+        weights after: the caller syncs them again."""
         e = self.e
-        if not (e.grpo.compile_warmup and e.cfg.device == "cuda"):
+        if e.grpo.compile_warmup == "never" or (e.grpo.compile_warmup == "cuda"
+                                                and e.cfg.device != "cuda"):  # fmt: skip
             return None
         t0 = time.perf_counter()
-        colocated = e.cfg.rollout.colocate
-        if colocated:
+        if self.releases_memory:
             self.all(self.engines, "engine", "release_memory")
-        stats = self.all(self.trainers, "trainer rank", "warm_up")[0]
-        if colocated:
+        self.warmup = self.all(self.trainers, "trainer rank", "warm_up")[0]
+        if self.releases_memory:
             self.all(self.engines, "engine", "resume_memory")
         self.times["warmup_s"] = time.perf_counter() - t0
-        return stats
+        return self.warmup
+
+    @property
+    def releases_memory(self) -> bool:
+        """Whether the engines give their GPU memory up while the trainers train (colocated on
+        CUDA)."""
+        c = self.e.cfg
+        return c.device == "cuda" and c.rollout.colocate
 
     def _ray_init(self) -> None:
         r = self.e.run

@@ -69,9 +69,10 @@ class GRPOConfig:
     """Generate max_new_tokens even past EOS."""
     micro_batch_tokens: int = 4096
     """Token budget of one packed trainer micro-batch."""
-    compile_warmup: bool = True
-    """On CUDA, every trainer rank scores and trains on the warm-up batches at setup (no optimizer
-    step), so both forwards' Triton variants compile there and not at step 1."""
+    compile_warmup: str = "cuda"
+    """When every trainer rank scores and trains on the warm-up batches before step 1 (no optimizer
+    step), so both forwards' Triton variants compile then: "cuda" (on CUDA only; on CPU nothing
+    compiles), "always" or "never"."""
     seed: int = 0
     """Seed of the prompts and of every sample's sampling seed."""
     true_on_policy: bool = True
@@ -202,6 +203,9 @@ def _check(e: E2EConfig) -> None:
     if not 0.0 < g.engine_mem_fraction < 1.0:
         raise ContractError("grpo_config", f"grpo.engine_mem_fraction = {g.engine_mem_fraction}",
                             "set a fraction between 0 and 1")  # fmt: skip
+    if g.compile_warmup not in ("cuda", "always", "never"):
+        raise ContractError("grpo_config", f"grpo.compile_warmup = {g.compile_warmup!r}",
+                            "set it to 'cuda', 'always' or 'never'")  # fmt: skip
     if g.rollout_path not in ("exact", "stock"):
         raise ContractError("grpo_config", f"grpo.rollout_path = {g.rollout_path!r}",
                             "set it to 'exact' or 'stock'")  # fmt: skip

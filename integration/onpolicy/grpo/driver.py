@@ -175,7 +175,7 @@ class Driver:
         write_atomic(self.out / "config.json", json.dumps(self.e.to_dict(), indent=1) + "\n")
         self._start_peaks()
         self.engine_info = self.cluster.start(self.ckpt, self.resume_from)
-        if self._release:
+        if self.cluster.releases_memory:
             usage = self._all(self.engines, "engine", "memory_usage")
             self.engine_kv_mib = sum(round(u["kvcache"] * 1024) for u in usage)
             self.log("onpolicy e2e: engine memory (GB): " + "; ".join(
@@ -185,8 +185,14 @@ class Driver:
         proxies = [{"name": i["name"], "tp": i["tp"], "ep": i["ep"], "handle": h}
                    for i, h in zip(self.engine_info, self.engines, strict=True)]  # fmt: skip
         self._all(self.trainers, "trainer rank", "connect", proxies)
-        if self.start_step:  # the engines hold the start checkpoint; give them the resumed one
-            self._all(self.trainers, "trainer rank", "sync_weights", str(self.start_step),
+        warmed = self.cluster.warm_up() is not None
+        # The engines hold the start checkpoint: a resume gives them the resumed weights. After
+        # a warm-up they get the trainer's again: an engine that released its memory holds
+        # none, and elsewhere the sync's verify shows the warm-up left the weights as loaded.
+        if self.start_step or warmed:
+            version = str(self.start_step) if self.start_step else self.engine_info[0][
+                "weight_version"]  # fmt: skip
+            self._all(self.trainers, "trainer rank", "sync_weights", version,
                       self.e.grpo.verify_weights)  # fmt: skip
         self.times["setup_s"] = time.perf_counter() - t0
 
@@ -422,7 +428,7 @@ class Driver:
                 step=step, mismatch=result.first, samples=samples, metrics=metrics,
             )  # fmt: skip
 
-        if self._release:
+        if self.cluster.releases_memory:
             before = self._gpu_total()
             with self._phase("release"):
                 self._all(self.engines, "engine", "release_memory")
@@ -440,7 +446,7 @@ class Driver:
             trained = self._all(self.trainers, "trainer rank", "train", batch)[0]
         if trained["compiles"] is not None:
             metrics[TRAIN_COMPILES] = trained["compiles"]
-        if self._release:
+        if self.cluster.releases_memory:
             with self._phase("resume"):
                 self._all(self.engines, "engine", "resume_memory")
         with self._phase("sync"):
@@ -491,11 +497,6 @@ class Driver:
             return sum(gpu_memory_used())
         except RuntimeError:
             return None
-
-    @property
-    def _release(self) -> bool:
-        c = self.e.cfg
-        return c.device == "cuda" and c.rollout.colocate
 
     def _routing(self, samples: list[dict], trainer_routes: list[torch.Tensor]) -> dict:
         from onpolicy.grpo.routing import routing_mismatch
