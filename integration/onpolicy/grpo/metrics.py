@@ -73,10 +73,10 @@ TIME_SCORE = "time/score_s"
 """Seconds spent in the trainer's log-probs of the rollout."""
 SCORE_COMPILES = "compile/score_kernels"
 """Triton kernels trainer rank 0 compiled or loaded from disk while scoring (CUDA only): 0 once
-the setup's warm-up has covered the step's batch."""
+the warm-up before step 1 has covered the step's batch."""
 TRAIN_COMPILES = "compile/train_kernels"
 """Triton kernels trainer rank 0 compiled or loaded from disk during the update (CUDA only): 0
-once the setup's warm-up has covered the step's micro-batches."""
+once the warm-up before step 1 has covered the step's micro-batches."""
 TIME_TRAIN = "time/train_s"
 """Seconds spent in the update."""
 TIME_SYNC = "time/sync_s"
