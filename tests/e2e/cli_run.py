@@ -166,9 +166,10 @@ class Run:
         assert not left, f"processes of the run left after exit: {left}\n{self.text[-3000:]}"
 
 
-MEASURED = ("time/", "perf/", "memory/")
-"""Metrics measured from the machine (wall times, tokens per second, memory peaks): they differ
-between two runs of the same steps."""
+MEASURED = ("time/", "perf/", "memory/", "compile/")
+"""Metrics measured from the machine (wall times, tokens per second, memory peaks, the Triton
+kernels a step compiled or loaded, which follow the cache and the warm-up): they differ between
+two runs of the same steps."""
 
 
 def steady(row: dict) -> dict:

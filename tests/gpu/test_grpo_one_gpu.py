@@ -8,7 +8,8 @@ weights synced as CUDA IPC handles, the engine's memory released while the train
   uses no more memory than before it;
 - `stopped` + `resumed`: 2 steps and a checkpoint, then `--resume` to step 5: the uninterrupted
   run's metrics, bit for bit, among them the digest of the weights every engine holds after each
-  step's sync;
+  step's sync. Both run without the compile warm-up, which `base` runs: the warm-up changes no
+  bit of any step;
 - `stock`: the rollout on SGLang's stock CUDA path (the negative control) stops at step 1 naming
   the first differing token in hex, and `--bisect` names a layer and an op;
 - `interrupted`: Ctrl-C after step 1 gives exit 130 and the same clean state.
@@ -45,6 +46,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "one-gpu.toml"
 STEPS = 5
 SCORE, TRAIN = "compile/score_kernels", "compile/train_kernels"
 """Triton kernels trainer rank 0 compiled or loaded in a step's scoring and update."""
+COLD = ('grpo.compile_warmup="never"',)
+"""No compile warm-up before step 1."""
 NONDETERMINISTIC = "does not have a deterministic implementation"
 """torch's warning for an op without a deterministic kernel, under warn_only."""
 
@@ -132,14 +135,17 @@ def test_a_resume_after_step_2_continues_bit_for_bit(base, seeded, cache, tmp_pa
     run = base[0]
     assert run.code == 0, run.text[-3000:]
     with stopped_on_error():
-        stopped = Run(seeded, tmp_path / "resumed", *sets("run.checkpoint_every=2"), steps=2,
-                      log="stopped", cache=cache)  # fmt: skip
+        stopped = Run(seeded, tmp_path / "resumed", *sets("run.checkpoint_every=2", *COLD),
+                      steps=2, log="stopped", cache=cache)  # fmt: skip
         assert stopped.wait(timeout=1800) == 0, stopped.text[-4000:]
         assert stopped.latest() == 2
         resumed = Run(seeded, tmp_path / "resumed", "--resume",
-                      *sets("run.checkpoint_every=0"), steps=STEPS, cache=cache)  # fmt: skip
+                      *sets("run.checkpoint_every=0", *COLD), steps=STEPS,
+                      cache=cache)  # fmt: skip
         assert resumed.wait(timeout=1800) == 0, resumed.text[-4000:]
     assert "resumed at step 2" in resumed.text, resumed.text[-3000:]
+    assert "trainer compile warm-up" in run.text, run.text[-3000:]
+    assert "trainer compile warm-up" not in stopped.text + resumed.text, resumed.text[-3000:]
     rows, want = resumed.metrics(), run.metrics()
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
     # The last step's digest is the final weights every engine holds, bit for bit.
@@ -173,7 +179,7 @@ def test_ctrl_c_after_step_1_exits_130_and_leaves_nothing(seeded, cache, tmp_pat
     (the control of the warm-up test above)."""
     before = gpu_memory_used()
     with stopped_on_error():
-        run = Run(seeded, tmp_path / "interrupted", *sets('grpo.compile_warmup="never"'),
+        run = Run(seeded, tmp_path / "interrupted", *sets(*COLD),
                   steps=STEPS, cache=cache)  # fmt: skip
         rows = run.out / "metrics.jsonl"
         assert run.until(lambda: rows.is_file() and rows.read_text().count("\n") >= 1), run.text
