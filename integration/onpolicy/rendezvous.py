@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -34,6 +35,9 @@ STOP_GRACE_S = 30.0
 
 DUMP_S = 5.0
 """Seconds `run_group` gives a timed-out group to print its stacks (SIGABRT) before SIGKILL."""
+KILLED_S = 10.0
+"""How long `run_group` waits, after SIGKILL, for every process of the group to be gone: a
+process has closed its pipes before it has finished exiting."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -148,8 +152,27 @@ def run_group(cmd: list[str], *, env: dict[str, str], timeout: float,
             with contextlib.suppress(OSError):
                 os.killpg(p.pid, signal.SIGKILL)
             out, err = got or p.communicate()
+            deadline = time.monotonic() + KILLED_S
+            while group_members(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
             raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that have not finished exiting (zombies are done),
+    from /proc."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            found.append(int(d.name))
+    return found
 
 
 def tcp_store(host: str, port: int, world: int, *, is_master: bool,

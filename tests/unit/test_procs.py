@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -105,3 +107,22 @@ def test_run_group_kills_the_whole_group_past_its_timeout(tmp_path):
     assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert run_group([sys.executable, "-c", "print(7)"], env=dict(os.environ), timeout=60,
                      stdout=subprocess.PIPE, text=True).stdout == "7\n"  # fmt: skip
+
+
+def test_group_members_lists_the_live_processes_of_a_group_not_its_zombies():
+    from onpolicy.rendezvous import group_members
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         start_new_session=True)  # fmt: skip
+    try:
+        assert group_members(p.pid) == [p.pid]
+        assert group_members(os.getpgid(0)) != [] and p.pid not in group_members(os.getpgid(0))
+        os.kill(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert group_members(p.pid) == []  # a zombie, not yet waited for: done
+    finally:
+        p.kill()
+        p.wait()
