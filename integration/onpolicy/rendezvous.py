@@ -159,18 +159,22 @@ def run_group(cmd: list[str], *, env: dict[str, str], timeout: float,
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, pgrp, ...), or None if the
+    process is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def group_members(pgid: int) -> list[int]:
     """The processes of process group `pgid` that have not finished exiting (zombies are done),
     from /proc."""
     found = []
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+        fields = proc_stat(d.name) if d.name.isdigit() else None
+        if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             found.append(int(d.name))
     return found
 

@@ -11,6 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+from onpolicy.rendezvous import proc_stat
+
 RUN_ID_ENV = "ONPOLICY_RUN_ID"
 """Set in the driver and inherited by every process of the run (Ray's head and workers, the
 engines' schedulers): how teardown finds what is left of the run. The driver sets a fresh id
@@ -24,10 +26,10 @@ def ancestors(pid: int | None = None) -> set[int]:
     seen = set()
     while pid > 1 and pid not in seen:
         seen.add(pid)
-        try:
-            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+        fields = proc_stat(pid)
+        if fields is None:
             break
+        pid = int(fields[1])
     return seen
 
 
@@ -37,11 +39,8 @@ STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": 
 
 def state(pid: int) -> str:
     """A process's state as /proc reports it ("sleeping", "stopped", ...), "gone" if none."""
-    try:
-        code = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-    return STATES.get(code, code)
+    fields = proc_stat(pid)
+    return "gone" if fields is None else STATES.get(fields[0], fields[0])
 
 
 def run_processes(run_id: str) -> list[int]:
@@ -55,10 +54,10 @@ def run_processes(run_id: str) -> list[int]:
             continue
         try:
             env = (d / "environ").read_bytes()
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if needle in env.split(b"\0") and state != "Z":
+        fields = proc_stat(d.name)
+        if fields is not None and needle in env.split(b"\0") and fields[0] != "Z":
             found.append(int(d.name))
     return found
 
