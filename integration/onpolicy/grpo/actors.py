@@ -342,7 +342,11 @@ class TrainerActor:
     # --- one step -------------------------------------------------------------------------------
     def score(self, sequences: list[list[int]], routes: bool) -> dict | None:
         """The policy's fp32 log-probs of every sequence (tokens 1..n-1) and, with `routes`,
-        its routed expert ids [n, layers, k]; on rank 0, None elsewhere."""
+        its routed expert ids [n, layers, k], as numpy arrays; on rank 0, None elsewhere.
+
+        Numpy, not torch: megatron.core replaces torch's `storage._load_from_bytes` with its
+        own, so a tensor pickled in this process names megatron.core, and unpickling it
+        imported all of megatron.core into the driver at step 1's score (3–7 s)."""
         from onpolicy.train.logprobs import logprobs
 
         t0 = time.perf_counter()
@@ -354,7 +358,9 @@ class TrainerActor:
         if self.rank != 0:
             return None
         values, found = out if routes else (out, None)
-        return {"logprobs": values, "routes": found, "seconds": time.perf_counter() - t0,
+        return {"logprobs": [v.numpy() for v in values],
+                "routes": None if found is None else [r.numpy() for r in found],
+                "seconds": time.perf_counter() - t0,
                 "compiles": compiles[0] if compiles else None}  # fmt: skip
 
     @contextlib.contextmanager

@@ -409,17 +409,18 @@ class Driver:
 
         with self._phase("score"):
             scored = self._all(self.trainers, "trainer rank", "score", seqs, g.routing_check)[0]
-        metrics: dict[str, Any] = logprob_metrics(samples, scored["logprobs"])
+        scores = [torch.tensor(v) for v in scored["logprobs"]]  # a copy: Ray's are read-only
+        metrics: dict[str, Any] = logprob_metrics(samples, scores)
         if scored["compiles"] is not None:
             metrics[SCORE_COMPILES] = scored["compiles"]
         versions = {s["weight_version"] for s in samples}
         metrics["rollout/weight_version"] = ",".join(sorted(str(v) for v in versions))
         if g.routing_check:
-            metrics |= self._routing(samples, scored["routes"])
+            metrics |= self._routing(samples, [torch.tensor(r) for r in scored["routes"]])
         if g.true_on_policy and (metrics["train/train_rollout_logprob_abs_diff"] != 0.0
                                  or metrics["train/train_rollout_kl"] != 0.0
                                  or metrics["train/logprob_equal_frac"] != 1.0):  # fmt: skip
-            result = compare(samples, dict(enumerate(scored["logprobs"])), f"step {step}")
+            result = compare(samples, dict(enumerate(scores)), f"step {step}")
             raise OnPolicyViolation(
                 f"step {step}: true-on-policy broken: train_rollout_logprob_abs_diff = "
                 f"{metrics['train/train_rollout_logprob_abs_diff']!r}, train_rollout_kl = "

@@ -3,12 +3,16 @@ from the tiny checkpoint (fp32, a KL term, so a frozen reference model too), the
 nothing, the setup's compile warm-up (`warm_up`: scoring and the update's forward and backward
 on the warm-up batches), or one real step on another seeded batch (the control); then one
 PPO step on a seeded batch. Prints one JSON line: the step's loss and grad norm (float hex) and
-the digest of every parameter after it."""
+the digest of every parameter after it. With --score-out DIR it then scores that batch with
+routes and pickles what `score` returns (score.pkl) and the same values as torch tensors
+(score_torch.pkl), as this process would hand them to the driver."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
+from pathlib import Path
 
 import torch
 from onpolicy.grpo.actors import TrainerActor, TrainerSpec
@@ -32,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--before", choices=["nothing", "warmup", "step"], required=True)
+    ap.add_argument("--score-out")
     args = ap.parse_args()
     spec = TrainerSpec(layout=ParallelLayout(world=1), dtype="float32", device="cpu",
                        ckpt=args.ckpt, master_addr="127.0.0.1",
@@ -47,6 +52,12 @@ def main() -> None:
     elif args.before == "step":
         actor.train(batch(actor.cfg.vocab_size, seed=8))
     out = actor.train(batch(actor.cfg.vocab_size, seed=7))
+    if args.score_out:
+        got = actor.score(batch(actor.cfg.vocab_size, seed=7)["sequences"], routes=True)
+        as_torch = {**got, "logprobs": [torch.from_numpy(v) for v in got["logprobs"]],
+                    "routes": [torch.from_numpy(r) for r in got["routes"]]}  # fmt: skip
+        for name, value in (("score.pkl", got), ("score_torch.pkl", as_torch)):
+            Path(args.score_out, name).write_bytes(pickle.dumps(value, protocol=5))
     print(json.dumps({"warmup_batches": warmed, "loss": float(out["loss"]).hex(),
                       "grad_norm": float(out["grad_norm"]).hex(),
                       "digest": actor.params_digest()}))  # fmt: skip
