@@ -101,20 +101,29 @@ def _select_by_owner(gathered: torch.Tensor, owner: torch.Tensor) -> torch.Tenso
 def embedding(layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """`VocabParallelEmbedding.forward`: each rank looks up its vocab shard; the rows are then
     all-gathered and each token takes the row of the rank owning its id, a copy, not a sum."""
-    from sglang.srt.layers.vocab_parallel_embedding import get_masked_input_and_mask
-
     if layer.tp_size == 1:
         return K.embedding(ids, layer.weight)
-    s = layer.shard_indices
-    masked, outside = get_masked_input_and_mask(
-        ids, s.org_vocab_start_index, s.org_vocab_end_index, s.num_org_vocab_padding,
-        s.added_vocab_start_index, s.added_vocab_end_index,
-    )  # fmt: skip
+    masked, outside = shard_rows(ids, layer.shard_indices)
     rows = K.embedding(masked.long(), layer.weight)
     group = _tp_group(layer)
     rows_all = collectives.all_gather(rows[None], group.device_group)
     inside = collectives.all_gather((~outside).to(torch.int8)[None], group.device_group)
     return _select_by_owner(rows_all, inside.argmax(dim=0))
+
+
+def shard_rows(ids: torch.Tensor, s) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each id's row in this rank's vocab shard (0 where the rank does not hold it), and where
+    it does not: what SGLang's `get_masked_input_and_mask` gives for the shard's indices `s`
+    (`VocabParallelEmbeddingShardIndices`), in plain torch ops. SGLang's is `torch.compile`d,
+    and compiling it took most of a CPU engine's first rollout at TP 2 (about 5 s)."""
+    org = (ids >= s.org_vocab_start_index) & (ids < s.org_vocab_end_index)
+    added = (ids >= s.added_vocab_start_index) & (ids < s.added_vocab_end_index)
+    # added rows sit after the shard's original rows and their padding
+    added_offset = (s.added_vocab_start_index - (s.org_vocab_end_index - s.org_vocab_start_index)
+                    - s.num_org_vocab_padding)  # fmt: skip
+    rows = torch.where(org, ids - s.org_vocab_start_index,
+                       torch.where(added, ids - added_offset, torch.zeros_like(ids)))  # fmt: skip
+    return rows, ~(org | added)
 
 
 def _tp_group(layer: torch.nn.Module):
