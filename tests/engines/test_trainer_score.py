@@ -2,8 +2,8 @@
 
 megatron.core replaces torch's `storage._load_from_bytes` with its own, so a tensor pickled in
 a trainer's process names megatron.core, and the driver, unpickling it, imported all of
-megatron.core at step 1's score (3 s on this CPU, 7 s on an H100). `score` returns numpy
-arrays instead. One trainer rank at world 1 on CPU/gloo (workers/trainer_warmup.py) pickles its
+megatron.core at step 1's score (3 s on this CPU). `score` returns numpy arrays instead. One
+trainer rank at world 1 on CPU/gloo (the `trainer_runs` fixture's "nothing" run) pickles its
 result; a fresh process loads it. Control: the same values as torch tensors, pickled in the
 same process, import megatron.core when loaded."""
 
@@ -15,10 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-WORKER = Path(__file__).parent / "workers" / "trainer_warmup.py"
-ROOT = Path(__file__).resolve().parents[2]
 LOAD = """
 import json, pickle, sys
 value = pickle.loads(open(sys.argv[1], "rb").read())
@@ -30,17 +26,6 @@ print(json.dumps({"megatron": "megatron.core" in sys.modules,
 """
 
 
-@pytest.fixture(scope="module")
-def pickled(tiny_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("score")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "integration"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(WORKER), "--ckpt", str(tiny_checkpoint),
-                           "--before", "nothing", "--score-out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
-
 def load(path: Path) -> dict:
     """What a fresh process (the driver's imports: torch, not megatron) finds loading `path`."""
     proc = subprocess.run([sys.executable, "-c", LOAD, str(path)], capture_output=True,
@@ -49,15 +34,15 @@ def load(path: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_the_score_loads_without_megatron(pickled):
-    got = load(pickled / "score.pkl")
+def test_the_score_loads_without_megatron(trainer_runs):
+    got = load(trainer_runs["score_out"] / "score.pkl")
     assert got["megatron"] is False, got
     assert got["types"] == ["numpy.ndarray"], got
     assert got["dtypes"] == ["float32", "int32"], got
     assert len(got["shapes"]) == 4 and all(len(s) == 3 for s in got["shapes"]), got
 
 
-def test_negative_control_the_same_values_as_tensors_import_megatron(pickled):
-    got = load(pickled / "score_torch.pkl")
+def test_negative_control_the_same_values_as_tensors_import_megatron(trainer_runs):
+    got = load(trainer_runs["score_out"] / "score_torch.pkl")
     assert got["types"] == ["torch.Tensor"], got
     assert got["megatron"] is True, got

@@ -346,7 +346,7 @@ class TrainerActor:
 
         Numpy, not torch: megatron.core replaces torch's `storage._load_from_bytes` with its
         own, so a tensor pickled in this process names megatron.core, and unpickling it
-        imported all of megatron.core into the driver at step 1's score (3–7 s)."""
+        imported all of megatron.core into the driver at step 1's score (3 s on CPU)."""
         from onpolicy.train.logprobs import logprobs
 
         t0 = time.perf_counter()

@@ -52,15 +52,15 @@ def main() -> None:
     elif args.before == "step":
         actor.train(batch(actor.cfg.vocab_size, seed=8))
     out = actor.train(batch(actor.cfg.vocab_size, seed=7))
-    if args.score_out:
+    print(json.dumps({"warmup_batches": warmed, "loss": float(out["loss"]).hex(),
+                      "grad_norm": float(out["grad_norm"]).hex(),
+                      "digest": actor.params_digest()}))  # fmt: skip
+    if args.score_out:  # after the digest: nothing it reports has seen this
         got = actor.score(batch(actor.cfg.vocab_size, seed=7)["sequences"], routes=True)
         as_torch = {**got, "logprobs": [torch.from_numpy(v) for v in got["logprobs"]],
                     "routes": [torch.from_numpy(r) for r in got["routes"]]}  # fmt: skip
         for name, value in (("score.pkl", got), ("score_torch.pkl", as_torch)):
             Path(args.score_out, name).write_bytes(pickle.dumps(value, protocol=5))
-    print(json.dumps({"warmup_batches": warmed, "loss": float(out["loss"]).hex(),
-                      "grad_norm": float(out["grad_norm"]).hex(),
-                      "digest": actor.params_digest()}))  # fmt: skip
     actor.shutdown()
 
 
