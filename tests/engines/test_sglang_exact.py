@@ -246,7 +246,7 @@ def test_seeded_tokens_equal_reference_generation(engine_runs, reference, layout
         equal += sum(a == b for a, b in zip(r.output, ans["output_ids"], strict=True))
         total += NEW
         assert r.output == ans["output_ids"], f"seed {req['seed']}: {ans['output_ids']}"
-    print(f"[{layout} {dtype}] seeded tokens == reference.sample: {equal}/{total}")
+    print(f"[{layout} {dtype}] seeded tokens == reference generation: {equal}/{total}")
 
 
 def _compare(a: dict, b: dict) -> tuple[int, int, int, int]:

@@ -18,7 +18,9 @@ the baseline, ratio = baseline / ours (>= 1: ours is faster), and the goal it is
   cached keys, the new keys written in one index_put per layer, page tables and lengths as
   device tensors, no sampling), exact vs the same model under `K.native_ops()` (lists); held
   to issue 14's 48-layer limits scaled to the layer count: decode at B = 1 <= 8 ms, at
-  B = 64 <= 25 ms, prefill of 4096 tokens <= 70 ms.
+  B = 64 <= 25 ms, prefill of 4096 tokens <= 70 ms;
+- sampler: `models.sampling.sample_rows` over B rows of the vocabulary at T = 1 vs softmax and
+  `torch.multinomial` (reported only).
 
 Times are CUDA events around one eager call (the GPU idle and L2 flushed before each), the
 median of as many reps as fit a small budget; rows marked "CUDA graph" time one replay of the
@@ -574,6 +576,34 @@ def _decode_step(b: Bench, model: Qwen3MoeReference, graph: bool, row: Row) -> N
         row.reached = "—" if row.ours_ms is None else f"{row.ours_ms:.1f} ms"
 
 
+# --- f. the sampler ---------------------------------------------------------------------------
+def bench_sampler(b: Bench) -> Iterator[Row]:
+    batches = b.shapes.quick_batches if b.quick else b.shapes.batches
+    for n in batches:
+        row = Row(op=f"sampler, vocab {b.cfg.vocab_size}, T = 1", m=n)
+        yield guarded(row, partial(_sampler, b))
+
+
+def _sampler(b: Bench, row: Row) -> None:
+    """The exact rule (`models.sampling.sample_rows`: the noise keys hashed on the host, the
+    noise, the log-softmax, argmax and token log-probs on the device) against a plain sampler
+    (softmax, `torch.multinomial`, the log-prob gathered from torch's log_softmax)."""
+    from onpolicy.models.sampling import noise_key, sample_rows
+
+    n = row.m
+    logits = b.randn(n, b.cfg.vocab_size, scale=4.0)
+
+    def ours():
+        keys = [noise_key(7, 0, 100 + i) for i in range(n)]
+        return sample_rows(logits, [1.0] * n, keys)
+
+    def baseline():
+        tokens = torch.multinomial(torch.softmax(logits.float(), -1), 1)
+        return tokens, torch.log_softmax(logits.float(), -1).gather(-1, tokens)
+
+    b.measure(row, ours, baseline)
+
+
 # --- the run ----------------------------------------------------------------------------------
 FAMILIES = {
     "linear": bench_linear,
@@ -581,6 +611,7 @@ FAMILIES = {
     "decode": bench_decode_attention,
     "moe": bench_moe,
     "model": bench_model,
+    "sampler": bench_sampler,
 }
 
 

@@ -12,7 +12,6 @@ Reads top to bottom: weights, the layers, the forward, then the two ways to driv
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from onpolicy import kernels as K
+from onpolicy.models import sampling
 from onpolicy.models.hf_layout import read_hf_checkpoint
 from onpolicy.models.qwen3_moe_config import Qwen3MoeConfig
 from onpolicy.segments import KSegments, current
@@ -266,8 +266,14 @@ class Qwen3MoeReference(nn.Module):
         )
         for r, end in zip(requests, ends, strict=True):
             r.kv_len = end
-        for i, row in zip(done, logits, strict=True):
-            requests[i].append(*sample(row, requests[i]))
+        picked = [requests[i] for i in done]
+        tokens, lps = sampling.sample_rows(
+            logits,
+            [r.temperature for r in picked],
+            [sampling.noise_key(r.seed, r.rid, len(r.output)) for r in picked],
+        )
+        for r, token, lp in zip(picked, tokens.tolist(), lps.tolist(), strict=True):
+            r.append(token, lp)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
@@ -291,7 +297,7 @@ class Qwen3MoeReference(nn.Module):
         return reqs
 
 
-# --- requests, the paged cache and sampling ---------------------------------------------------
+# --- requests and the paged cache -------------------------------------------------------------
 @dataclass(kw_only=True, slots=True)
 class Request:
     """One generation: its tokens, where its keys live in the cache, and what it sampled."""
@@ -303,7 +309,7 @@ class Request:
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy."""
     seed: int = 0
-    """User seed; with rid and the step it seeds the request's generator."""
+    """User seed; with rid and the step it keys the request's noise (`sampling.noise_key`)."""
     output: list[int] = field(default_factory=list)
     """Sampled token ids."""
     logprobs: list[float] = field(default_factory=list)
@@ -357,30 +363,3 @@ class PagedKVCache:
         pages = self.page_table(req)[pos // self.page_size]
         self.k[layer, pages, pos % self.page_size] = k
         self.v[layer, pages, pos % self.page_size] = v
-
-
-def request_seed(seed: int, rid: int, step: int) -> int:
-    """A 63-bit generator seed from (seed, request id, step): independent of the batch."""
-    digest = hashlib.blake2b(f"{seed}:{rid}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def sample(logits: torch.Tensor, req: Request) -> tuple[int, float]:
-    """(token, its log-prob) from one row of logits [V] for `req`'s next step.
-
-    Greedy (temperature 0): the first argmax of the logits, log-prob under log_softmax(logits).
-    Otherwise Gumbel-max over log_softmax(logits / T) with noise from the request's own
-    generator. The log-prob is `token_logprobs` on the same row, the function `score` uses.
-    """
-    t = req.temperature
-    if t == 0:
-        token = int(torch.argmax(logits))
-        t = 1.0
-    else:
-        # The noise is drawn on the CPU, so a request draws the same noise on every device.
-        gen = torch.Generator().manual_seed(request_seed(req.seed, req.rid, len(req.output)))
-        u = torch.rand(logits.shape[-1], generator=gen, dtype=torch.float32).to(logits.device)
-        lp = K.log_softmax(K.scale_logits(logits, t))
-        token = int(torch.argmax(lp - torch.log(-torch.log(u))))
-    lp_token = K.token_logprobs(logits[None], torch.tensor([token], device=logits.device), t)[0]
-    return token, float(lp_token)

@@ -19,7 +19,7 @@ environment must be set before `import sglang`):
                                             temperature=0.7, seed=7))
 
 or pass `exact_engine_args(path, ...)` to `sglang.Engine` yourself. Sample i's tokens are those
-of `reference.Request(rid=0, seed=its sampling seed, ...)` sampled by `reference.sample` (the
+of `reference.Request(rid=0, seed=its sampling seed, ...)` sampled by `sampling.sample_rows` (the
 seed: `seeds[i]`, or `seed + i`). `host` serves
 one engine in its own process (`EngineService`, `EngineClient`); both, and the GRPO run's
 `EngineProxy`, are an `EngineHandle`: what the driver and the weight sync ask of an engine.

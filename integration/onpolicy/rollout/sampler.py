@@ -1,11 +1,13 @@
-"""The exact path's sampler: `onpolicy.models.reference.sample`, row by row, inside SGLang.
+"""The exact path's sampler: `onpolicy.models.sampling.sample_rows` over the batch, inside
+SGLang.
 
-Each request draws its Gumbel noise from its own generator, seeded by
-`reference.request_seed(sampling_seed, 0, step)` where step counts the tokens it has already
-generated, so the draw does not depend on the batch, the TP rank or the device. The returned
-log-prob is `kernels.token_logprobs` of logits / T in the model dtype: the function the
-reference's `score` uses, so decode == score holds bit for bit. Greedy requests (SGLang's
-top_k = 1) take the first argmax, with the log-prob at T = 1.
+Each request's Gumbel noise is keyed by `sampling.noise_key(sampling_seed, 0, step)` where step
+counts the tokens it has already generated, so it does not depend on the batch, the TP rank or
+the device; it is made on the logits' device for the whole batch at once. The returned log-prob
+is `kernels.token_logprobs` of logits / T in the model dtype: the function the reference's
+`score` uses, so decode == score holds bit for bit. Greedy requests (SGLang's top_k = 1) take
+the first argmax, with the log-prob at T = 1. Tokens and log-probs stay on the device: the
+sampler reads only the batch's small per-row settings back to the host.
 
 `check_sampling_params` is that rule for one request: the tokenizer manager runs it at request
 validation (so a request outside it is refused before it reaches the scheduler) and the sampler
@@ -20,8 +22,7 @@ import torch
 from sglang.srt.layers.sampler import Sampler
 
 from onpolicy import bits
-from onpolicy import kernels as K
-from onpolicy.models import reference
+from onpolicy.models import sampling
 from onpolicy.rollout import digests
 
 FULL = "the exact path samples from the full distribution (top_p 1, top_k -1, min_p 0)"
@@ -112,12 +113,6 @@ class OnpolicySampler(Sampler):
             raise RuntimeError("onpolicy sampler: the batch carries no seeds / prompt lengths "
                                "(is the sampling patch applied?)")  # fmt: skip
 
-    @staticmethod
-    def _rows(logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
-        """Whole fp32 log-prob rows, one per batch row: the op the trainer's digests use."""
-        return torch.stack([K.log_softmax(K.scale_logits(r, t))
-                            for r, t in zip(logits, temps, strict=True)])  # fmt: skip
-
     def forward(self, logits_output, sampling_info, return_logprob: bool,
                 top_logprobs_nums, token_ids_logprobs, positions: torch.Tensor, *,
                 logprob_logits=None) -> torch.Tensor:  # fmt: skip
@@ -130,25 +125,16 @@ class OnpolicySampler(Sampler):
         min_ps = sampling_info.min_ps.view(-1).tolist()
         seeds = sampling_info.sampling_seed.view(-1).tolist()
         steps = (positions.view(-1) + 1 - sampling_info.prompt_lens.view(-1)).tolist()
-        tokens, lps, temps_used = [], [], []
-        for i, row in enumerate(logits):
-            check_sampling_params(RowParams(top_ks[i], top_ps[i], min_ps[i]), vocab)
-            greedy = top_ks[i] == 1
-            req = reference.Request(
-                rid=0,
-                prompt=[],
-                temperature=0.0 if greedy else temps[i],
-                seed=int(seeds[i]),
-                output=[0] * max(0, int(steps[i])),
-            )
-            token, lp = reference.sample(row, req)
-            tokens.append(token)
-            lps.append(lp)
-            temps_used.append(1.0 if greedy else temps[i])
-        ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        for k, p, m in zip(top_ks, top_ps, min_ps, strict=True):
+            check_sampling_params(RowParams(k, p, m), vocab)
+        # SGLang's greedy is top_k 1 at any temperature; the rule's greedy is temperature 0.
+        temps_used = [0.0 if k == 1 else t for k, t in zip(top_ks, temps, strict=True)]
+        keys = [sampling.noise_key(int(seed), 0, max(0, int(step)))
+                for seed, step in zip(seeds, steps, strict=True)]  # fmt: skip
+        ids, lps = sampling.sample_rows(logits, temps_used, keys)
         rows = None
         if self.digests is not None:
-            rows = self._rows(logits, temps_used)
+            rows = sampling.log_softmax_rows(logits, temps_used)
             from sglang.srt.distributed.parallel_state import get_tp_group
 
             rank = get_tp_group().rank_in_group
@@ -158,13 +144,12 @@ class OnpolicySampler(Sampler):
                 t is not None for t in token_ids_logprobs
             )
             if wants_rows:  # whole rows for top-k / listed ids; the same op per row
-                rows = self._rows(logits, temps_used) if rows is None else rows
+                rows = sampling.log_softmax_rows(logits, temps_used) if rows is None else rows
                 res = self.output_logprob_processor.compute_logprobs(
                     rows, top_logprobs_nums, token_ids_logprobs, ids
                 )
                 res.write_output_to(logits_output)
-            logits_output.next_token_logprobs = torch.tensor(lps, dtype=torch.float32,
-                                                             device=logits.device)  # fmt: skip
+            logits_output.next_token_logprobs = lps
         return ids
 
 
