@@ -34,9 +34,10 @@ from onpolicy.kernels.cpu import attention as cpu_attention  # noqa: E402
 from onpolicy.kernels.cpu import linear as cpu_linear  # noqa: E402
 from onpolicy.kernels.cpu import logprob as cpu_logprob  # noqa: E402
 from onpolicy.kernels.cpu import moe as cpu_moe  # noqa: E402
+from onpolicy.kernels.cpu import noise as cpu_noise  # noqa: E402
 from onpolicy.kernels.cpu import norm as cpu_norm  # noqa: E402
 from onpolicy.kernels.cpu import rope as cpu_rope  # noqa: E402
-from onpolicy.kernels.cuda import attention, elementwise, linear, logprob, moe  # noqa: E402
+from onpolicy.kernels.cuda import attention, elementwise, linear, logprob, moe, noise  # noqa: E402
 from onpolicy.kernels.cuda import ops as cuda_ops  # noqa: E402
 from onpolicy.kernels.rules import K_BLOCK, KV_BLOCK, row_parallel_exact  # noqa: E402
 from onpolicy.kernels.tree import pairwise_tree_sum  # noqa: E402
@@ -459,6 +460,25 @@ def logprobs_vocab_parallel_equal_full() -> None:
         pass
     else:
         raise AssertionError("tp 16 cuts segments but was not refused")
+
+
+@check
+def noise_is_the_cpu_backends_bits() -> None:
+    """The uint32 kernel gives the CPU backend's int64 bits, keys of every size (the word 0,
+    2^32 - 1, the rest random) and a vocabulary that does not fill its last block; control: the
+    other multiplier order gives other bits."""
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 2**32, (5, 2), generator=g, dtype=torch.int64)
+    words[0] = torch.tensor([0, 2**32 - 1])
+    got = noise.uniform_noise(words, 3001)
+    assert_bitwise(got, cpu_noise.uniform_noise(words, 3001), "noise")
+    assert 0.0 < got.min().item() and got.max().item() < 1.0
+    saved = cpu_noise.MIX
+    cpu_noise.MIX = saved[::-1]
+    try:
+        differ(got, cpu_noise.uniform_noise(words, 3001), "noise with the multipliers swapped")
+    finally:
+        cpu_noise.MIX = saved
 
 
 if __name__ == "__main__":

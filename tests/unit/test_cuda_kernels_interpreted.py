@@ -22,6 +22,7 @@ NAMES = [
     "moe_grouped_rows_equal_linear_per_expert",
     "row_kernels_are_row_independent_and_match_the_cpu_backend",
     "logprobs_vocab_parallel_equal_full",
+    "noise_is_the_cpu_backends_bits",
 ]
 
 

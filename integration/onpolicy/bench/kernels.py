@@ -20,7 +20,8 @@ the baseline, ratio = baseline / ours (>= 1: ours is faster), and the goal it is
   to issue 14's 48-layer limits scaled to the layer count: decode at B = 1 <= 8 ms, at
   B = 64 <= 25 ms, prefill of 4096 tokens <= 70 ms;
 - sampler: `models.sampling.sample_rows` over B rows of the vocabulary at T = 1 vs softmax and
-  `torch.multinomial` (reported only).
+  `torch.multinomial`, and its noise (`kernels.uniform_noise`) vs the CPU backend's int64 torch
+  ops on the same device (reported only).
 
 Times are CUDA events around one eager call (the GPU idle and L2 flushed before each), the
 median of as many reps as fit a small budget; rows marked "CUDA graph" time one replay of the
@@ -582,6 +583,8 @@ def bench_sampler(b: Bench) -> Iterator[Row]:
     for n in batches:
         row = Row(op=f"sampler, vocab {b.cfg.vocab_size}, T = 1", m=n)
         yield guarded(row, partial(_sampler, b))
+        row = Row(op=f"sampler's noise, vocab {b.cfg.vocab_size}", m=n)
+        yield guarded(row, partial(_noise, b))
 
 
 def _sampler(b: Bench, row: Row) -> None:
@@ -602,6 +605,16 @@ def _sampler(b: Bench, row: Row) -> None:
         return tokens, torch.log_softmax(logits.float(), -1).gather(-1, tokens)
 
     b.measure(row, ours, baseline)
+
+
+def _noise(b: Bench, row: Row) -> None:
+    """`kernels.uniform_noise` against the CPU backend's int64 torch ops run on the same device
+    (the same bits)."""
+    from onpolicy.kernels.cpu.noise import uniform_noise as torch_ops
+
+    words = torch.randint(0, 2**32, (row.m, 2), dtype=torch.int64, device=b.device)
+    b.measure(row, lambda: K.uniform_noise(words, b.cfg.vocab_size),
+              lambda: torch_ops(words, b.cfg.vocab_size))  # fmt: skip
 
 
 # --- the run ----------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ _OPS: dict[str, str] = {
     "moe_merge_expert_parallel": "merge_expert_parallel",
     "moe_combine": "combine",
     "moe": "moe",
+    "uniform_noise": "uniform_noise",
 }
 """Public op -> the primitive name every backend's surface exports (`__all__` of `cpu/ops.py`,
 `cuda/ops.py` and `native.py`)."""
@@ -227,6 +228,13 @@ def sumexp_partial(shard: torch.Tensor, vmax: torch.Tensor, n_segments: int) -> 
     )
 
 
+def uniform_noise(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] fp32 uniforms in (0, 1), row r a keyed 32-bit hash of each column with the two
+    words of words[r] ([R, 2] int64, each below 2^32): the same bits on every backend. The
+    sampling rule's noise (`models.sampling`)."""
+    return _impl("uniform_noise", words)(words, vocab)
+
+
 # --- MoE --------------------------------------------------------------------------------------
 def moe_route(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool = True
@@ -287,6 +295,6 @@ __all__ = [
     "moe_expert_outputs",
     "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",
     "rms_norm", "rope", "rope_table", "row_parallel_exact", "row_parallel_linear",
-    "scale_logits", "silu_mul", "sumexp_partial", "token_logprobs", "tree_sum",
+    "scale_logits", "silu_mul", "sumexp_partial", "token_logprobs", "tree_sum", "uniform_noise",
     "vocab_parallel_exact", "vocab_parallel_token_logprobs", "vocab_segments",
 ]  # fmt: skip

@@ -22,13 +22,14 @@ from onpolicy.kernels.compose import (
     shard_segments,
     spans,
 )
+from onpolicy.kernels.cpu.noise import uniform_noise  # integer arithmetic: the one answer
 from onpolicy.kernels.rules import check_segments
 
 __all__ = [
     "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
     "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "rms_norm", "rope",
     "route", "row_parallel_linear", "silu_mul", "sumexp_partial", "token_logprobs",
-    "vocab_parallel_token_logprobs",
+    "uniform_noise", "vocab_parallel_token_logprobs",
 ]  # fmt: skip
 
 

@@ -2,11 +2,11 @@
 log_softmax(logits / T), greedy at T = 0, with counter-based noise.
 
 A request's noise at a step is a function of (seed, request id, step) and the vocabulary column
-alone. `noise_key` hashes the first three into 64 bits (blake2b); `uniform_noise` mixes every
-column index with the key's two 32-bit words in integer arithmetic (two keyed rounds of the
-lowbias32 mixer) and keeps the top `NOISE_BITS` bits as a uniform in (0, 1). Integer arithmetic
-gives the same bits on every device and in any batch, and a whole batch's noise is a few
-elementwise passes on the logits' device: no host draw per row, no copy, no host sync.
+alone. `noise_key` hashes the first three into 64 bits (blake2b); `uniform_noise` hands the
+key's two 32-bit words to `kernels.uniform_noise`, which mixes every column index with them in
+integer arithmetic (two keyed rounds of the lowbias32 mixer) into a uniform in (0, 1). Integer
+arithmetic gives the same bits on every device and in any batch, and a whole batch's noise is
+one pass on the logits' device (one kernel on CUDA): no host draw per row, no copy, no sync.
 
 `sample_rows` samples a batch: the rows at one temperature go through the exact ops together
 (`kernels.log_softmax`, `kernels.token_logprobs` and argmax are row-invariant, so a row gets the
@@ -23,10 +23,8 @@ import torch
 
 from onpolicy import kernels as K
 
-NOISE_BITS = 23
-"""Bits of a uniform: (k + 0.5) / 2^23 is exact in fp32 and never 0 or 1."""
 NOISE_CHUNK = 1 << 23
-"""Noise elements made at once (rows x vocab): bounds the int64 temporaries to 64 MiB each."""
+"""Noise elements made at once (rows x vocab): bounds each temporary (int64 on CPU) to 64 MiB."""
 _M32 = 0xFFFF_FFFF
 
 
@@ -36,40 +34,11 @@ def noise_key(seed: int, rid: int, step: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32, in place, for int64 x in [0, 2^32): by c's 16-bit halves, so no product
-    reaches 2^63 (int64 overflow is not defined alike on every device)."""
-    hi = x * (c >> 16)
-    hi &= 0xFFFF
-    hi <<= 16
-    x *= c & 0xFFFF
-    x += hi
-    x &= _M32
-    return x
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (C. Wellons' hash-prospector), in place: a bijection of 32-bit words with full
-    avalanche."""
-    x ^= x >> 16
-    x = _mul32(x, 0x7FEB352D)
-    x ^= x >> 15
-    x = _mul32(x, 0x846CA68B)
-    x ^= x >> 16
-    return x
-
-
 def uniform_noise(keys: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
     """[len(keys), vocab] fp32 uniforms in (0, 1), row i from keys[i]: the same bits on every
     device."""
     words = torch.tensor([[k & _M32, (k >> 32) & _M32] for k in keys], dtype=torch.int64)
-    words = words.reshape(-1, 2).to(device)
-    h = torch.arange(vocab, dtype=torch.int64, device=device) ^ words[:, :1]
-    h = _mix32(h)
-    h ^= words[:, 1:]
-    h = _mix32(h)
-    h >>= 32 - NOISE_BITS
-    return (h.to(torch.float32) + 0.5) * 2.0**-NOISE_BITS
+    return K.uniform_noise(words.reshape(-1, 2).to(device), vocab)
 
 
 def _sample_at(logits: torch.Tensor, temperature: float, keys: Sequence[int]) -> torch.Tensor:
@@ -101,21 +70,24 @@ def sample_rows(
                          f"{len(keys)} keys; want one of each per row")  # fmt: skip
     if any(t < 0 for t in temperatures):
         raise ValueError(f"sample_rows: temperatures must be >= 0, got {list(temperatures)}")
+    groups = sorted(set(temperatures))
+    if len(groups) == 1:  # the usual batch: one temperature, no gather
+        return _sample_group(logits, groups[0], keys)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     lps = torch.empty(n, dtype=torch.float32, device=logits.device)
-    for t in sorted(set(temperatures)):
+    for t in groups:
         idx = [i for i, ti in enumerate(temperatures) if ti == t]
-        whole = len(idx) == n  # the usual batch: one temperature, no gather
         at = torch.tensor(idx, dtype=torch.int64, device=logits.device)
-        rows = logits if whole else logits.index_select(0, at)
-        if t == 0:
-            tok = torch.argmax(rows, dim=-1)
-        else:
-            tok = _sample_at(rows, t, keys if whole else [keys[i] for i in idx])
-        lp = K.token_logprobs(rows, tok, t if t > 0 else 1.0)
+        tok, lp = _sample_group(logits.index_select(0, at), t, [keys[i] for i in idx])
         tokens.index_copy_(0, at, tok)
         lps.index_copy_(0, at, lp)
     return tokens, lps
+
+
+def _sample_group(logits: torch.Tensor, t: float, keys: Sequence[int]):
+    """`sample_rows` for rows at one temperature t."""
+    tok = torch.argmax(logits, dim=-1) if t == 0 else _sample_at(logits, t, keys)
+    return tok, K.token_logprobs(logits, tok, t if t > 0 else 1.0)
 
 
 def log_softmax_rows(logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from onpolicy.kernels.cpu.attention import attention, paged_attention
 from onpolicy.kernels.cpu.linear import linear, linear_partial
 from onpolicy.kernels.cpu.logprob import log_softmax, sumexp_partial, token_logprobs
 from onpolicy.kernels.cpu.moe import expert_outputs, route
+from onpolicy.kernels.cpu.noise import uniform_noise
 from onpolicy.kernels.cpu.norm import rms_norm
 from onpolicy.kernels.cpu.rope import rope
 
@@ -23,5 +24,5 @@ __all__ = [
     "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
     "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "rms_norm", "rope",
     "route", "row_parallel_linear", "silu_mul", "sumexp_partial", "token_logprobs",
-    "vocab_parallel_token_logprobs",
+    "uniform_noise", "vocab_parallel_token_logprobs",
 ]  # fmt: skip

@@ -17,6 +17,7 @@ from onpolicy.kernels.cuda.logprob import (
     vocab_parallel_token_logprobs,
 )
 from onpolicy.kernels.cuda.moe import combine, expert_outputs, route
+from onpolicy.kernels.cuda.noise import uniform_noise
 
 row_parallel_linear = partial(compose.row_parallel_linear, linear_partial)
 moe = partial(compose.moe, route, expert_outputs, combine)
@@ -25,5 +26,5 @@ __all__ = [
     "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
     "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "rms_norm", "rope",
     "route", "row_parallel_linear", "silu_mul", "sumexp_partial", "token_logprobs",
-    "vocab_parallel_token_logprobs",
+    "uniform_noise", "vocab_parallel_token_logprobs",
 ]  # fmt: skip
