@@ -4,7 +4,7 @@ only decides which outputs a program computes, so every row must say `same`; the
 what `tile_for` should pick. Baselines: cuBLAS (torch.matmul) for the GEMM, the copy bandwidth
 for decode attention, flash SDPA for prefill attention.
 
-    python -m onpolicy.bench.tiles [--only gemm,attention,moe]
+    python -m onpolicy.bench.tiles [--only gemm,decode_gemm,attention,moe]
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ DECODE_TILES: tuple[A.Tile, ...] = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 
                                     (32, 4, 3), (64, 4, 2))  # fmt: skip
 PREFILL_TILES: tuple[A.Tile, ...] = ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3),
                                      (128, 4, 2), (64, 8, 3))  # fmt: skip
+DECODE_GEMM_TILES: tuple[L.Tile, ...] = (
+    (64, 32, 128, 4, 4), (16, 32, 128, 4, 4), (16, 16, 128, 4, 4), (16, 16, 256, 4, 3),
+    (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 16, 64, 2, 6), (16, 32, 128, 2, 4),
+    (32, 32, 128, 4, 4), (16, 16, 128, 1, 4),
+)  # fmt: skip
+"""Candidates at decode's M (1 to 64), GEMV-shaped ones among them: more programs over N."""
 SMALL_MOE_TILES: tuple[L.Tile, ...] = ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
                                        (16, 32, 64, 4, 6), (64, 32, 128, 4, 4))  # fmt: skip
 
@@ -94,6 +100,38 @@ def gemm(dev: torch.device) -> None:
                     L.TMA = True
                 print(f"  {tile} tma={tma}: {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s "
                       f"ratio {base / t:.2f} {same(out, ref)}")  # fmt: skip
+
+
+def decode_gemm(dev: torch.device) -> None:
+    """The GEMMs of one decode step at M <= 64, each candidate timed as a CUDA-graph replay
+    (as decode runs: the host's dispatch is not in the time), loaded by TMA (the default tile
+    by pointers too)."""
+    shapes = (("qkv", 5120, 2048, 1), ("o_proj", 2048, 4096, 1), ("o_proj", 2048, 4096, 2),
+              ("router", 128, 2048, 1), ("lm_head", 151936, 2048, 1))  # fmt: skip
+    for name, n, k, s in shapes:
+        w = torch.randn(n, k, device=dev, dtype=DTYPE) * k**-0.5
+        for m in (1, 8, 64):
+            x = torch.randn(m, k, device=dev, dtype=DTYPE)
+            ref = K.linear(x, w, segments=s)
+            g, _ = captured(lambda: x @ w.T)  # noqa: B023
+            base = ms(g.replay)
+            print(f"decode gemm {name} K={k} N={n} S={s} M={m}: cuBLAS graph {base * 1e3:.1f} us "
+                  f"{2 * n * k / base / 1e9:.2f} TB/s of weights; default "
+                  f"{L.tile_for(m, n, s)}")  # fmt: skip
+            for tile, tma in [(t, True) for t in DECODE_GEMM_TILES] + [(L.SMALL_M, False)]:
+                L.TMA = tma
+                try:
+                    with forced(L, tile):
+                        out = K.linear(x, w, segments=s)
+                        g, y = captured(lambda: K.linear(x, w, segments=s))  # noqa: B023
+                        t = ms(g.replay)
+                except Exception as e:  # a tile that does not compile is skipped
+                    print(f"  {tile} tma={tma}: {type(e).__name__} {str(e)[:80]}")
+                    continue
+                finally:
+                    L.TMA = True
+                print(f"  {tile} tma={tma}: {t * 1e3:.1f} us {2 * n * k / t / 1e9:.2f} TB/s "
+                      f"ratio {base / t:.2f} {same(out, ref)} graph {same(y, ref)}")  # fmt: skip
 
 
 def copy_bw(dev: torch.device) -> float:
@@ -210,12 +248,12 @@ def profile(what: str, fn: Callable[[], object]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="gemm,attention,moe")
+    p.add_argument("--only", default="gemm,decode_gemm,attention,moe")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     for name in args.only.split(","):
-        {"gemm": gemm, "attention": attention, "moe": moe}[name](dev)
+        {"gemm": gemm, "decode_gemm": decode_gemm, "attention": attention, "moe": moe}[name](dev)
 
 
 if __name__ == "__main__":
