@@ -4,7 +4,7 @@ only decides which outputs a program computes, so every row must say `same`; the
 what `tile_for` should pick. Baselines: cuBLAS (torch.matmul) for the GEMM, the copy bandwidth
 for decode attention, flash SDPA for prefill attention.
 
-    python -m onpolicy.bench.tiles [--only gemm,decode_gemm,attention,moe]
+    python -m onpolicy.bench.tiles [--only gemm,decode_gemm,dispatch,attention,moe]
 """
 
 from __future__ import annotations
@@ -134,6 +134,43 @@ def decode_gemm(dev: torch.device) -> None:
                       f"ratio {base / t:.2f} {same(out, ref)} graph {same(y, ref)}")  # fmt: skip
 
 
+def dispatch(dev: torch.device) -> None:
+    """The host's time per call of the exact linear, and of its parts, with the GPU kept busy
+    (so a launch never waits on it): what the one-call interval of `bench.kernels` adds to the
+    kernel at small M."""
+    import time
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def host_us(fn: Callable[[], object], reps: int = 200) -> float:
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU work ahead of the calls
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        t = (time.perf_counter() - t0) / reps * 1e6
+        torch.cuda.synchronize()
+        return t
+
+    for name, n, k, s, m in (("qkv", 5120, 2048, 1, 1), ("qkv", 5120, 2048, 1, 4096),
+                             ("o_proj", 2048, 4096, 2, 4096)):  # fmt: skip
+        w = torch.randn(n, k, device=dev, dtype=DTYPE)
+        x = torch.randn(m, k, device=dev, dtype=DTYPE)
+        bm, bn, bk, _, _ = L.launch_tile(L.tile_for(m, n, s), x.dtype)
+        parts = {
+            "K.linear": lambda: K.linear(x, w, segments=s),  # noqa: B023
+            "tree_mm": lambda: L.tree_mm(x, w, segments=s, out_dtype=x.dtype),  # noqa: B023
+            "tile_for + launch_tile": lambda: L.launch_tile(L.tile_for(m, n, s), x.dtype),  # noqa: B023
+            "2 TensorDescriptors": lambda: (TensorDescriptor.from_tensor(x, [bm, bk]),  # noqa: B023
+                                            TensorDescriptor.from_tensor(w, [bn, bk])),  # noqa: B023
+            "torch.empty out": lambda: torch.empty(m, n, device=dev, dtype=x.dtype),  # noqa: B023
+            "torch.matmul": lambda: x @ w.T,  # noqa: B023
+        }  # fmt: skip
+        cells = ", ".join(f"{label} {host_us(fn):.1f}" for label, fn in parts.items())
+        print(f"dispatch {name} M={m} S={s}: host us per call: {cells}", flush=True)
+
+
 def copy_bw(dev: torch.device) -> float:
     src = torch.ones(1 << 30, dtype=torch.int8, device=dev)
     dst = torch.empty_like(src)
@@ -248,12 +285,14 @@ def profile(what: str, fn: Callable[[], object]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="gemm,decode_gemm,attention,moe")
+    p.add_argument("--only", default="gemm,decode_gemm,dispatch,attention,moe")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     for name in args.only.split(","):
-        {"gemm": gemm, "decode_gemm": decode_gemm, "attention": attention, "moe": moe}[name](dev)
+        families = {"gemm": gemm, "decode_gemm": decode_gemm, "dispatch": dispatch,
+                    "attention": attention, "moe": moe}  # fmt: skip
+        families[name](dev)
 
 
 if __name__ == "__main__":
