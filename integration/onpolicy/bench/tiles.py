@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,32 @@ def forced(module, tile) -> Iterator[None]:
         module.FORCE = saved
 
 
+def at_tile(tile: L.Tile, tma: bool, run: Callable[[], tuple]) -> tuple | None:
+    """run() with every GEMM launched at `tile`, by TMA or by pointers; None (reported) where
+    the tile does not compile (shared memory)."""
+    L.TMA = tma
+    try:
+        with forced(L, tile):
+            return run()
+    except Exception as e:
+        print(f"  {tile} tma={tma}: {type(e).__name__} {str(e)[:80]}")
+        return None
+    finally:
+        L.TMA = True
+
+
+def eager(x: torch.Tensor, w: torch.Tensor, s: int) -> tuple:
+    """(the output, the median ms of an eager call) of the linear."""
+    return K.linear(x, w, segments=s), ms(lambda: K.linear(x, w, segments=s))
+
+
+def replayed(x: torch.Tensor, w: torch.Tensor, s: int) -> tuple:
+    """(the eager output, a CUDA-graph replay's output, the replay's median ms) of the linear."""
+    out = K.linear(x, w, segments=s)
+    g, y = captured(lambda: K.linear(x, w, segments=s))
+    return out, y, ms(g.replay)
+
+
 def gemm(dev: torch.device) -> None:
     shapes = (("qkv", 5120, 2048, 1), ("o_proj", 2048, 4096, 1), ("o_proj", 2048, 4096, 2),
               ("expert gate", 768, 2048, 1), ("expert down", 2048, 768, 1),
@@ -88,16 +115,10 @@ def gemm(dev: torch.device) -> None:
             for tile, tma in [(t, tma) for t in tiles for tma in (True, False)]:
                 if m <= 512 and not tma and tile[2] * 2 > 128:
                     continue  # TMA is not used for this tile anyway
-                L.TMA = tma
-                try:
-                    with forced(L, tile):
-                        out = K.linear(x, w, segments=s)
-                        t = ms(lambda: K.linear(x, w, segments=s))  # noqa: B023
-                except Exception as e:  # a tile that does not compile (shared memory) is skipped
-                    print(f"  {tile} tma={tma}: {type(e).__name__} {str(e)[:80]}")
+                got = at_tile(tile, tma, partial(eager, x, w, s))
+                if got is None:
                     continue
-                finally:
-                    L.TMA = True
+                out, t = got
                 print(f"  {tile} tma={tma}: {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s "
                       f"ratio {base / t:.2f} {same(out, ref)}")  # fmt: skip
 
@@ -119,17 +140,10 @@ def decode_gemm(dev: torch.device) -> None:
                   f"{2 * n * k / base / 1e9:.2f} TB/s of weights; default "
                   f"{L.tile_for(m, n, s)}")  # fmt: skip
             for tile, tma in [(t, True) for t in DECODE_GEMM_TILES] + [(L.SMALL_M, False)]:
-                L.TMA = tma
-                try:
-                    with forced(L, tile):
-                        out = K.linear(x, w, segments=s)
-                        g, y = captured(lambda: K.linear(x, w, segments=s))  # noqa: B023
-                        t = ms(g.replay)
-                except Exception as e:  # a tile that does not compile is skipped
-                    print(f"  {tile} tma={tma}: {type(e).__name__} {str(e)[:80]}")
+                got = at_tile(tile, tma, partial(replayed, x, w, s))
+                if got is None:
                     continue
-                finally:
-                    L.TMA = True
+                out, y, t = got
                 print(f"  {tile} tma={tma}: {t * 1e3:.1f} us {2 * n * k / t / 1e9:.2f} TB/s "
                       f"ratio {base / t:.2f} {same(out, ref)} graph {same(y, ref)}")  # fmt: skip
 
