@@ -6,7 +6,8 @@ alone. `noise_key` hashes the first three into 64 bits (blake2b); `uniform_noise
 key's two 32-bit words to `kernels.uniform_noise`, which mixes every column index with them in
 integer arithmetic (two keyed rounds of the lowbias32 mixer) into a uniform in (0, 1). Integer
 arithmetic gives the same bits on every device and in any batch, and a whole batch's noise is
-one pass on the logits' device (one kernel on CUDA): no host draw per row, no copy, no sync.
+one pass on the logits' device (one kernel on CUDA): no host draw per row; only the keys' two
+words per row are copied over.
 
 `sample_rows` samples a batch: the rows at one temperature go through the exact ops together
 (`kernels.log_softmax`, `kernels.token_logprobs` and argmax are row-invariant, so a row gets the
@@ -54,6 +55,18 @@ def _sample_at(logits: torch.Tensor, temperature: float, keys: Sequence[int]) ->
     return torch.cat(out)
 
 
+def _by_temperature(temperatures: Sequence[float], device: torch.device):
+    """Per distinct temperature, ascending: (t, its rows' indices, those indices on `device`);
+    one (t, None, None) when every row has the same temperature (no gather needed)."""
+    groups = sorted(set(temperatures))
+    if len(groups) == 1:
+        yield groups[0], None, None
+        return
+    for t in groups:
+        idx = [i for i, ti in enumerate(temperatures) if ti == t]
+        yield t, idx, torch.tensor(idx, dtype=torch.int64, device=device)
+
+
 def sample_rows(
     logits: torch.Tensor, temperatures: Sequence[float], keys: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,14 +83,11 @@ def sample_rows(
                          f"{len(keys)} keys; want one of each per row")  # fmt: skip
     if any(t < 0 for t in temperatures):
         raise ValueError(f"sample_rows: temperatures must be >= 0, got {list(temperatures)}")
-    groups = sorted(set(temperatures))
-    if len(groups) == 1:  # the usual batch: one temperature, no gather
-        return _sample_group(logits, groups[0], keys)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     lps = torch.empty(n, dtype=torch.float32, device=logits.device)
-    for t in groups:
-        idx = [i for i, ti in enumerate(temperatures) if ti == t]
-        at = torch.tensor(idx, dtype=torch.int64, device=logits.device)
+    for t, idx, at in _by_temperature(temperatures, logits.device):
+        if at is None:
+            return _sample_group(logits, t, keys)
         tok, lp = _sample_group(logits.index_select(0, at), t, [keys[i] for i in idx])
         tokens.index_copy_(0, at, tok)
         lps.index_copy_(0, at, lp)
@@ -94,9 +104,10 @@ def log_softmax_rows(logits: torch.Tensor, temperatures: Sequence[float]) -> tor
     """Whole fp32 log-prob rows [R, V]: log_softmax(logits / T) of row i at temperatures[i]
     (T 1 when greedy), the rows at one temperature together."""
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for t in sorted(set(temperatures)):
-        at = torch.tensor([i for i, ti in enumerate(temperatures) if ti == t],
-                          dtype=torch.int64, device=logits.device)  # fmt: skip
-        rows = logits if at.numel() == logits.shape[0] else logits.index_select(0, at)
-        out.index_copy_(0, at, K.log_softmax(K.scale_logits(rows, t if t > 0 else 1.0)))
+    for t, _, at in _by_temperature(temperatures, logits.device):
+        rows = logits if at is None else logits.index_select(0, at)
+        lp = K.log_softmax(K.scale_logits(rows, t if t > 0 else 1.0))
+        if at is None:
+            return lp
+        out.index_copy_(0, at, lp)
     return out
