@@ -32,7 +32,7 @@ def tile():
     L.FORCE, L.TMA = None, True
 
 
-TILES = [L.SMALL_M, L.MID_M, L.LARGE_M, L.LARGE_M_SEGMENTED, L.LARGE_M_INDEXED,
+TILES = [L.TINY_M, L.SMALL_M, L.MID_M, L.LARGE_M, L.LARGE_M_SEGMENTED, L.LARGE_M_INDEXED,
          L.LARGE_M_SEGMENTED_INDEXED, M.SMALL_TILE, (128, 32, 128, 8, 3), (64, 64, 64, 8, 3),
          (32, 64, 128, 4, 4), (256, 128, 64, 8, 3)]  # fmt: skip
 
@@ -42,7 +42,7 @@ TILES = [L.SMALL_M, L.MID_M, L.LARGE_M, L.LARGE_M_SEGMENTED, L.LARGE_M_INDEXED,
 def test_tile_shape_does_not_change_the_bits(tile, dtype, k, segments):
     """Every tile the GEMM picks by M and S (and others), with TMA loads and with pointer
     loads, gives the same bits on the same rows: 16- and 32-row tiles (mma.sync), 64 to 256
-    rows (wgmma), chunks of 64 and 128; in fp32, the tiles its launches run (`launch_tile`:
+    rows (wgmma), chunks of 64, 128 and 256; in fp32, the tiles its launches run (`launch_tile`:
     16 to 256 rows, 32 and 64 columns, chunks of 16)."""
     x = wide(200, k, seed=k, dtype=dtype, device="cuda")
     w = wide(300, k, seed=k + 1, dtype=dtype, spread=4, device="cuda")
@@ -73,13 +73,18 @@ def test_the_fp32_tile_cap_does_not_change_the_bits(tile, monkeypatch):
 
 
 def test_rows_keep_their_bits_across_the_m_switch():
-    """A row computed in a batch on the small-M tile equals the same row in a batch on each
-    large-M tile (Qwen3-30B-A3B's o_proj shape, S = 1 and 2)."""
+    """Rows computed in a batch of each band of M (TINY_M, SMALL_M, MID_M: the decode tiles, as
+    launched, by TMA) equal the same rows in a batch on each large-M tile (Qwen3-30B-A3B's
+    o_proj shape, S = 1 and 2)."""
     x = wide(4096, 4096, seed=1, dtype=torch.bfloat16, device="cuda")
     w = wide(2048, 4096, seed=2, dtype=torch.bfloat16, spread=4, device="cuda")
+    bands = (1, 5, L.ROW_BOUNDS[0], 40, L.ROW_BOUNDS[1], 300)
     for s in (1, 2):
-        assert L.tile_for(4096, 2048, s) != L.tile_for(5, 2048, s)
-        assert_bitwise(K.linear(x[:5], w, segments=s), K.linear(x, w, segments=s)[:5], f"S {s}")
+        full = K.linear(x, w, segments=s)
+        tiles = {L.tile_for(m, 2048, s) for m in bands}
+        assert {L.TINY_M, L.SMALL_M, L.MID_M} <= tiles and L.tile_for(4096, 2048, s) not in tiles
+        for m in bands:
+            assert_bitwise(K.linear(x[:m], w, segments=s), full[:m], f"S {s} M {m}")
 
 
 @pytest.mark.parametrize(("k", "tp", "segments"),

@@ -10,6 +10,8 @@ runs the same harness on a plain op that breaks it:
 - RMSNorm fused pair: SGLang's native RMSNorm, which normalises the unrounded fp32 sum x + r.
 - SiLU-mul: `F.silu` under `K.native_ops()` (its SIMD kernels compute a tensor's tail with a
   scalar formula).
+- q/k norm + RoPE (one op, fused on CUDA) against the backend's rms_norm then rope: the plain
+  HF steps under `K.native_ops()` in the same comparison.
 RoPE and the embedding gather are elementwise, and so are their plain forms (per-call cos/sin
 included: torch.cos/sin give every element the same bits on CPU): no plain op breaks them on
 CPU, so they have no control. On CUDA the row reduction (RMSNorm's mean square) breaks.
@@ -207,6 +209,83 @@ def test_rope_matches_hf_neox_rotation(device):
     torch.testing.assert_close(K.rope(x, pos, table), q.transpose(0, 1), rtol=1e-6, atol=1e-6)
     inv = 1.0 / (1e6 ** (torch.arange(0, 16, 2, device=device).float() / 16))
     torch.testing.assert_close(table[pos, :8], torch.cos(pos[:, None].float() * inv))
+
+
+# --- q/k norm + RoPE --------------------------------------------------------------------------
+QK_HEADS = [(4, 2), (32, 4), (6, 1)]
+"""(q heads, kv heads): GQA 2, Qwen3-30B-A3B's, and a kv stride that is no multiple of 16."""
+
+
+def qk_norm_rope_pairs(qk_norm_rope: Callable, qkv: torch.Tensor, heads: tuple[int, int],
+                       d: int, qw, kw, pos, table) -> Pairs:  # fmt: skip
+    """`qk_norm_rope` on q and k read in place from one qkv row, against the backend's rms_norm
+    then rope of contiguous copies, and the last token alone against the batch."""
+    hq, hkv = heads
+    q, k, _ = qkv.view(qkv.shape[0], -1, d).split([hq, hkv, hkv], dim=1)
+    fq, fk = qk_norm_rope(q, k, qw, kw, EPS, pos, table)
+    aq, ak = qk_norm_rope(q[-1:], k[-1:], qw, kw, EPS, pos[-1:], table)
+    return [
+        ("q", fq, K.rope(K.rms_norm(q.contiguous(), qw, EPS), pos, table)),
+        ("k", fk, K.rope(K.rms_norm(k.contiguous(), kw, EPS), pos, table)),
+        ("last token alone, q", aq, fq[-1:]),
+        ("last token alone, k", ak, fk[-1:]),
+    ]
+
+
+def qk_inputs(t: int, heads: tuple[int, int], d: int, dtype, seed: int, device: str = "cpu"):
+    qkv = wide(t, (heads[0] + 2 * heads[1]) * d, seed=seed, dtype=dtype, device=device)
+    qw = wide(d, seed=seed + 1, dtype=dtype, spread=1, device=device)
+    kw = wide(d, seed=seed + 2, dtype=dtype, spread=1, device=device)
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 40960, (t,), generator=g).to(device)
+    return qkv, qw, kw, pos, rope_tables(d).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(PROPERTY, max_examples=60)
+@given(
+    t=st.integers(1, 33),
+    heads=st.sampled_from(QK_HEADS),
+    d=st.sampled_from([16, 64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_qk_norm_rope_is_rms_norm_then_rope(device, t, heads, d, dtype, seed):
+    qkv, qw, kw, pos, table = qk_inputs(t, heads, d, dtype, seed, device)
+    assert_holds(qk_norm_rope_pairs(K.qk_norm_rope, qkv, heads, d, qw, kw, pos, table))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_control_the_plain_qk_norm_and_rotation_are_not_the_exact_ops(device):
+    """HF's q/k norm and rotation (cos and sin rounded to bf16, the product in bf16) in the
+    harness above: the q and k comparisons break."""
+
+    def plain(*args):
+        with K.native_ops():
+            return K.qk_norm_rope(*args)
+
+    qkv, qw, kw, pos, table = qk_inputs(9, (32, 4), 128, torch.bfloat16, 3, device)
+    pairs = qk_norm_rope_pairs(plain, qkv, (32, 4), 128, qw, kw, pos, table)
+    differ, total, lines = count_broken(pairs[:2])
+    assert differ > 0, f"the plain q/k norm and rotation held on {total} outputs: {lines}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_norm_rope_backward_is_the_plain_steps(device):
+    torch.manual_seed(0)
+    table = K.rope_table(16, 1e4, 64).to(device)
+    q, k = torch.randn(5, 4, 16).to(device), torch.randn(5, 2, 16).to(device)
+    qw, kw = (1 + 0.1 * torch.randn(16)).to(device), (1 + 0.1 * torch.randn(16)).to(device)
+    pos = torch.tensor([0, 3, 9, 20, 63], device=device)
+    ours = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    theirs = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    oq, ok = K.qk_norm_rope(*ours, 1e-6, pos, table)
+    (oq.pow(2).sum() + 1.5 * ok.sum()).backward()
+    rq = K.rope(K.rms_norm(theirs[0], theirs[2], 1e-6), pos, table)
+    rk = K.rope(K.rms_norm(theirs[1], theirs[3], 1e-6), pos, table)
+    (rq.pow(2).sum() + 1.5 * rk.sum()).backward()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
 # --- SiLU-mul and embedding -------------------------------------------------------------------

@@ -89,7 +89,7 @@ def keys_of(model: Qwen3MoeReference, batches: list[list[int]]) -> set[tuple]:
 
 def later_batches(rng: random.Random, max_tokens: int, min_len: int = 1) -> list[list[int]]:
     """Random batches of sequences of at least `min_len` tokens, and three chosen ones: a GEMM
-    M of 16 and of 528 (multiples of 16, in SMALL_M and at LARGE M) and of 3."""
+    M of 16 and of 528 (multiples of 16, in TINY_M and at LARGE M) and of 3."""
     out = [[16], [500, 28], [3]]
     for _ in range(RANDOM_BATCHES):
         total, lengths = rng.randint(min_len, max_tokens), []

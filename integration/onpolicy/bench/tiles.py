@@ -4,13 +4,19 @@ only decides which outputs a program computes, so every row must say `same`; the
 what `tile_for` should pick. Baselines: cuBLAS (torch.matmul) for the GEMM, the copy bandwidth
 for decode attention, flash SDPA for prefill attention.
 
-    python -m onpolicy.bench.tiles [--only gemm,decode_gemm,dispatch,attention,moe]
+    python -m onpolicy.bench.tiles [--only gemm,decode_gemm,dispatch,attention,moe,decode_step]
+                                   [--layers 4]
+
+`decode_step` profiles the reference model's decode step by kernel (eager, one step at B = 1
+and 64, context 512, Qwen3-30B-A3B's layer dims, --layers layers) and times it as a CUDA-graph
+replay: where a step's GPU time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -20,10 +26,12 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from onpolicy import kernels as K
-from onpolicy.bench.kernels import captured
+from onpolicy.bench.kernels import captured, decode_step
 from onpolicy.kernels.cuda import attention as A
 from onpolicy.kernels.cuda import linear as L
 from onpolicy.kernels.cuda import moe as M
+from onpolicy.models.qwen3_moe_config import QWEN3_30B_A3B
+from onpolicy.models.reference import Qwen3MoeReference
 
 DTYPE = torch.bfloat16
 SMALL_GEMM_TILES: tuple[L.Tile, ...] = (
@@ -48,6 +56,9 @@ DECODE_GEMM_TILES: tuple[L.Tile, ...] = (
 """Candidates at decode's M (1 to 64), GEMV-shaped ones among them: more programs over N."""
 SMALL_MOE_TILES: tuple[L.Tile, ...] = ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
                                        (16, 32, 64, 4, 6), (64, 32, 128, 4, 4))  # fmt: skip
+SORTED_MOE_TILES: tuple[L.Tile, ...] = ((16, 64, 128, 4, 4), (16, 32, 256, 4, 3),
+                                        (16, 128, 128, 4, 3), (32, 64, 128, 4, 4))  # fmt: skip
+"""Candidates for the sorted MoE path when each expert holds a few rows (decode at B = 64)."""
 
 
 def ms(fn: Callable[[], object]) -> float:
@@ -267,6 +278,16 @@ def moe(dev: torch.device) -> None:
                       f"{replay * 1e3:.1f} us {same(out, ref)} graph {same(y, ref)}")  # fmt: skip
             finally:
                 M.SMALL_TILE = saved
+    for m in (64,):  # 512 pairs, about 4 rows per expert: the sorted path, tiles by BLOCK_M
+        x = torch.randn(m, h, device=dev, dtype=DTYPE)
+        ref = K.moe(x, gate, wg, wu, wd, top)
+        for tile in (L.tile_for(m * top, i, tma=False), *SORTED_MOE_TILES):
+            with forced(L, tile):
+                out = K.moe(x, gate, wg, wu, wd, top)
+                g, y = captured(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
+                g.replay()
+                print(f"moe M={m} sorted tile {tile}: graph {ms(g.replay) * 1e3:.1f} us "
+                      f"{same(out, ref)} graph {same(y, ref)}")  # fmt: skip
     for m in (4096, 16384):
         x = torch.randn(m, h, device=dev, dtype=DTYPE)
         ref = K.moe(x, gate, wg, wu, wd, top)
@@ -283,7 +304,7 @@ def moe(dev: torch.device) -> None:
     profile("moe M=1", lambda: K.moe(x, gate, wg, wu, wd, top))
 
 
-def profile(what: str, fn: Callable[[], object]) -> None:
+def profile(what: str, fn: Callable[[], object], rows: int = 14) -> None:
     """Where the GPU time of fn goes, by kernel."""
     fn()
     torch.cuda.synchronize()
@@ -292,20 +313,36 @@ def profile(what: str, fn: Callable[[], object]) -> None:
             fn()
         torch.cuda.synchronize()
     print(f"--- {what}: GPU time by kernel (5 calls)")
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-    )
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+                                    max_name_column_width=60))  # fmt: skip
+
+
+def decode_steps(dev: torch.device, layers: int) -> None:
+    cfg = dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=layers)
+    model = Qwen3MoeReference.random(cfg, dtype=DTYPE, device=dev, seed=0)
+    for n in (1, 64):
+        step, _ = decode_step(model, n, 512, 16, dev)
+        eager = step()
+        g, out = captured(step)
+        g.replay()
+        t = ms(g.replay)
+        print(f"decode step, {layers} layers, B = {n}: graph {t:.3f} ms "
+              f"({t / layers * 1e3:.1f} us a layer with the LM head's share), replay "
+              f"{same(out, eager)} as eager")  # fmt: skip
+        profile(f"decode step, {layers} layers, B = {n}, eager", step, rows=30)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="gemm,decode_gemm,dispatch,attention,moe")
+    p.add_argument("--only", default="gemm,decode_gemm,dispatch,attention,moe,decode_step")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of decode_step")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    families = {"gemm": gemm, "decode_gemm": decode_gemm, "dispatch": dispatch,
+                "attention": attention, "moe": moe,
+                "decode_step": partial(decode_steps, layers=args.layers)}  # fmt: skip
     for name in args.only.split(","):
-        families = {"gemm": gemm, "decode_gemm": decode_gemm, "dispatch": dispatch,
-                    "attention": attention, "moe": moe}  # fmt: skip
         families[name](dev)
 
 

@@ -44,6 +44,7 @@ _OPS: dict[str, str] = {
     "row_parallel_linear": "row_parallel_linear",
     "rms_norm": "rms_norm",
     "rope": "rope",
+    "qk_norm_rope": "qk_norm_rope",
     "silu_mul": "silu_mul",
     "embedding": "embedding",
     "attention": "attention",
@@ -151,6 +152,15 @@ def rope_table(head_dim: int, theta: float, max_positions: int) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Neox RoPE of x [T, heads, head_dim] at `positions` [T], fp32 math."""
     return _impl("rope", x)(x, positions, table)
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    positions: torch.Tensor, table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Qwen3's per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D], then neox RoPE: the bits of
+    `rope(rms_norm(.))` of each, in fewer launches where the backend fuses them."""
+    return _impl("qk_norm_rope", q)(q, k, q_weight, k_weight, eps, positions, table)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -294,6 +304,7 @@ __all__ = [
     "k_segments", "linear", "linear_partial", "log_softmax", "moe", "moe_combine",
     "moe_expert_outputs",
     "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",
+    "qk_norm_rope",
     "rms_norm", "rope", "rope_table", "row_parallel_exact", "row_parallel_linear",
     "scale_logits", "silu_mul", "sumexp_partial", "token_logprobs", "tree_sum", "uniform_noise",
     "vocab_parallel_exact", "vocab_parallel_token_logprobs", "vocab_segments",

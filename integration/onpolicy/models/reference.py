@@ -43,20 +43,17 @@ class Attention(nn.Module):
         self.n_q, self.n_kv, self.head_dim, self.eps = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d, cfg.rms_norm_eps,
         )  # fmt: skip
-        self.q_proj = _param(torch.empty(self.n_q * d, h, dtype=dtype))
-        self.k_proj = _param(torch.empty(self.n_kv * d, h, dtype=dtype))
-        self.v_proj = _param(torch.empty(self.n_kv * d, h, dtype=dtype))
+        # q, k and v stacked: one GEMM (each output's dot depends only on its row of w)
+        self.qkv_proj = _param(torch.empty((self.n_q + 2 * self.n_kv) * d, h, dtype=dtype))
         self.o_proj = _param(torch.empty(h, self.n_q * d, dtype=dtype))
         self.q_norm = _param(torch.empty(d, dtype=dtype))
         self.k_norm = _param(torch.empty(d, dtype=dtype))
 
     def forward(self, x, positions, rope_table, attend: Callable) -> torch.Tensor:
-        t = x.shape[0]
-        q = K.linear(x, self.q_proj).view(t, self.n_q, self.head_dim)
-        k = K.linear(x, self.k_proj).view(t, self.n_kv, self.head_dim)
-        v = K.linear(x, self.v_proj).view(t, self.n_kv, self.head_dim)
-        q = K.rope(K.rms_norm(q, self.q_norm, self.eps), positions, rope_table)
-        k = K.rope(K.rms_norm(k, self.k_norm, self.eps), positions, rope_table)
+        t, d = x.shape[0], self.head_dim
+        qkv = K.linear(x, self.qkv_proj).view(t, self.n_q + 2 * self.n_kv, d)
+        q, k, v = qkv.split([self.n_q, self.n_kv, self.n_kv], dim=1)
+        q, k = K.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.eps, positions, rope_table)
         return K.linear(attend(q, k, v).reshape(t, -1), self.o_proj, segments=self.o_segments)
 
 
@@ -167,8 +164,11 @@ class Qwen3MoeReference(nn.Module):
             p, q = f"model.layers.{i}.", f"layers.{i}."
             for n in ("input_layernorm", "post_attention_layernorm"):
                 sd[q + n] = take(f"{p}{n}.weight")
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            for n in ("o_proj", "q_norm", "k_norm"):
                 sd[f"{q}self_attn.{n}"] = take(f"{p}self_attn.{n}.weight")
+            sd[f"{q}self_attn.qkv_proj"] = torch.cat(
+                [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+            )
             sd[q + "mlp.gate"] = take(p + "mlp.gate.weight")
             for ours, theirs in (
                 ("w_gate", "gate_proj"),

@@ -85,10 +85,14 @@ def qk_norm_rope(attn: torch.nn.Module, qkv: torch.Tensor, positions: torch.Tens
         rot._onpolicy_table = table.to(qkv.device)
     t, d = qkv.shape[0], attn.head_dim
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = K.rms_norm(q.reshape(t, -1, d), attn.q_norm.weight, attn.q_norm.variance_epsilon)
-    k = K.rms_norm(k.reshape(t, -1, d), attn.k_norm.weight, attn.k_norm.variance_epsilon)
-    pos = positions.view(-1).long()
-    q, k = K.rope(q, pos, rot._onpolicy_table), K.rope(k, pos, rot._onpolicy_table)
+    if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+        raise NotImplementedError(
+            f"onpolicy qk_norm_rope: q_norm eps {attn.q_norm.variance_epsilon} != k_norm eps "
+            f"{attn.k_norm.variance_epsilon}"
+        )
+    q, k = K.qk_norm_rope(q.reshape(t, -1, d), k.reshape(t, -1, d), attn.q_norm.weight,
+                          attn.k_norm.weight, attn.q_norm.variance_epsilon,
+                          positions.view(-1).long(), rot._onpolicy_table)  # fmt: skip
     return q.reshape(t, -1), k.reshape(t, -1), v.contiguous()
 
 

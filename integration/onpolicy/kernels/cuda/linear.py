@@ -42,6 +42,11 @@ from onpolicy.kernels.tree import combine_partials
 Tile = tuple[int, int, int, int, int]
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages) of one launch."""
 
+TINY_M: Tile = (16, 32, 256, 4, 3)
+"""Decode at a few requests (a GEMV): 16 rows, as few as the tensor core takes (`mma.sync`),
+so a program streams its 32 columns of w in 256-wide chunks with little wasted MMA work. At
+M <= 8 on an H100 it runs the decode GEMMs at 0.89-1.05 of cuBLAS where SMALL_M ran at
+0.58-0.86 (docs/benchmarks.md, "Decode GEMMs as CUDA-graph replays")."""
 SMALL_M: Tile = (64, 32, 128, 4, 4)
 """Decode-sized batches: narrow N tiles so a GEMV still spreads over every SM."""
 MID_M: Tile = (64, 64, 128, 4, 4)
@@ -57,8 +62,8 @@ SMS, FULL_WAVES = 132, 4
 """The H200's SMs, and the waves of 128 x 256 tiles above which their tail costs little."""
 FORCE: Tile | None = None
 """Tests set this to run every launch at one tile (the bits must not change)."""
-ROW_BOUNDS = (64, 512)
-"""The largest M of SMALL_M and of MID_M launches."""
+ROW_BOUNDS = (16, 64, 512)
+"""The largest M of TINY_M, SMALL_M and MID_M launches."""
 FP32_MAX_N, FP32_MAX_K = 64, 16
 """BLOCK_N and BLOCK_K of fp32 launches at most: a thread unrolls BLOCK_M x BLOCK_N x BLOCK_K /
 (32 x warps) FMAs per chunk and segment, and the compile time grows with it."""
@@ -70,8 +75,10 @@ def tile_for(m: int, n: int, segments: int = 1, tma: bool = True) -> Tile:
     if FORCE is not None:
         return FORCE
     if m <= ROW_BOUNDS[0]:
-        return SMALL_M
+        return TINY_M
     if m <= ROW_BOUNDS[1]:
+        return SMALL_M
+    if m <= ROW_BOUNDS[2]:
         return MID_M
     if not tma:
         return LARGE_M_INDEXED if segments == 1 else LARGE_M_SEGMENTED_INDEXED

@@ -68,7 +68,8 @@ class CompileLog:
 def token_bounds(top_k: int, q_per_kv: int, kv_heads: int, max_tokens: int) -> list[int]:
     """Token counts T at which some host choice changes between T and T + 1, for a batch of one
     sequence or of T one-token sequences."""
-    pairs = (moe.SMALL_PAIRS, *linear.ROW_BOUNDS)  # the MoE's path and grouped tile, in pairs
+    # The MoE's path, then its grouped tile (only past SMALL_PAIRS), in (token, slot) pairs.
+    pairs = (moe.SMALL_PAIRS, *(b for b in linear.ROW_BOUNDS if b > moe.SMALL_PAIRS))
     bounds = {*linear.ROW_BOUNDS, *(b // top_k for b in pairs), attention.KV_PARTITION}
     split = [c for c in range(attention.KV_PARTITION + 1, max_tokens + 1)
              if attention.split_for(_tiles([c], q_per_kv), kv_heads, c)]  # fmt: skip
