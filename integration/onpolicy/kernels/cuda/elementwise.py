@@ -6,9 +6,8 @@ width alone, so a row's bits never depend on how many rows there are or where it
   the CPU backend's steps (fused residual add rounded first, normalise in fp32, cast, weight);
 - rope: neox halves rotated in fp32 with cos/sin read from the model's fp32 table, rounded once;
 - qk_norm_rope: rms_norm then rope of each head in one launch for q and one for k, one program
-  per (token, head): the norm's row loaded, summed and scaled by the same jit helpers as
-  `rms_norm`'s (the same layout, so the same order), the normed value rounded to the dtype as
-  `rms_norm` stores it, then `rope`'s rotation; the bits of the two ops in a row;
+  per (token, head): `rms_norm`'s body (the same jit helpers, layout and order) stores the
+  normed row, then `rope`'s rotation of its halves loaded back; the bits of the two ops;
 - silu_mul: g / (1 + exp(-g)) * up in fp32, rounded once; elementwise, so offsets cannot matter;
 - embedding: a row copy.
 """
@@ -178,21 +177,28 @@ def _norm_rope_kernel(
     x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_t, stride_h, stride_table, H, eps,
     HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    """`_rms_norm_kernel`'s body on one head, its normed row stored to `out`; then, after a
+    barrier, `_rope_kernel`'s rotation of the halves loaded back from `out`. The rotation's
+    inputs are loads, as in `_rope_kernel`, so the compiler sees the same arithmetic (an fp32
+    product kept in registers could be contracted into the rotation's fma)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     x_row = x_ptr + t * stride_t + h * stride_h
-    cols = tl.arange(0, BLOCK)  # the norm's sum: `_rms_norm_kernel`'s load, layout and order
-    inv = _inv_rms(tl.load(x_row + cols, mask=cols < H, other=0.0), H, eps)
-    i = tl.arange(0, HALF)
-    dt = out_ptr.dtype.element_ty
-    x1 = _normed(tl.load(x_row + i), inv, w_ptr, i, i < HALF, dt)
-    x2 = _normed(tl.load(x_row + HALF + i), inv, w_ptr, HALF + i, i < HALF, dt)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    o1, o2 = _rotate(x1, x2, tl.load(table_ptr + pos * stride_table + i),
-                     tl.load(table_ptr + pos * stride_table + HALF + i))  # fmt: skip
     out = out_ptr + (t * heads + h) * H
-    tl.store(out + i, o1.to(dt))
-    tl.store(out + HALF + i, o2.to(dt))
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_row + cols, mask=ok, other=0.0)
+    tl.store(out + cols, _normed(x, _inv_rms(x, H, eps), w_ptr, cols, ok,
+                                 out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+    tl.debug_barrier()
+    i = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(table_ptr + pos * stride_table + i)
+    sin = tl.load(table_ptr + pos * stride_table + HALF + i)
+    o1, o2 = _rotate(tl.load(out + i), tl.load(out + HALF + i), cos, sin)
+    tl.debug_barrier()  # every thread has loaded both halves before any overwrites them
+    tl.store(out + i, o1.to(out_ptr.dtype.element_ty))
+    tl.store(out + HALF + i, o2.to(out_ptr.dtype.element_ty))
 
 
 def _aligned_heads(x: torch.Tensor) -> torch.Tensor:
