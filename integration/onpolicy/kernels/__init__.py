@@ -158,8 +158,8 @@ def qk_norm_rope(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
     positions: torch.Tensor, table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Qwen3's per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D], then neox RoPE: the bits of
-    `rope(rms_norm(.))` of each, in fewer launches where the backend fuses them."""
+    """Qwen3's per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D], then neox RoPE: the
+    backend's `rope(rms_norm(.))` of each (q and k may be views into one qkv row)."""
     return _impl("qk_norm_rope", q)(q, k, q_weight, k_weight, eps, positions, table)
 
 

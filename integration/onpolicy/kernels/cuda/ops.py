@@ -8,7 +8,7 @@ from functools import partial
 from onpolicy.kernels import compose
 from onpolicy.kernels.compose import merge_expert_parallel
 from onpolicy.kernels.cuda.attention import attention, paged_attention
-from onpolicy.kernels.cuda.elementwise import embedding, qk_norm_rope, rms_norm, rope, silu_mul
+from onpolicy.kernels.cuda.elementwise import embedding, rms_norm, rope, silu_mul
 from onpolicy.kernels.cuda.linear import linear, linear_partial
 from onpolicy.kernels.cuda.logprob import (
     log_softmax,
@@ -21,6 +21,7 @@ from onpolicy.kernels.cuda.noise import uniform_noise
 
 row_parallel_linear = partial(compose.row_parallel_linear, linear_partial)
 moe = partial(compose.moe, route, expert_outputs, combine)
+qk_norm_rope = partial(compose.qk_norm_rope, rms_norm, rope)
 
 __all__ = [
     "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
