@@ -8,6 +8,7 @@ sync inside a capture fails it)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_a_captured_decode_step_replays_the_eager_bits(model, batch):
     reqs = [Request(rid=r, prompt=[0] * n) for r, n in enumerate(lens)]
     tables = torch.zeros(batch, -(-ctx // ps), dtype=torch.long, device=dev)
     for i, (r, n) in enumerate(zip(reqs, lens, strict=True)):
-        cache.reserve(r, n)
+        cache.reserve(r, n + 1)  # room for the step after
         tables[i, : len(r.pages)] = cache.page_table(r)
     last = torch.tensor(lens, device=dev) - 1
     page = tables[torch.arange(batch, device=dev), last // ps]
@@ -48,13 +49,13 @@ def test_a_captured_decode_step_replays_the_eager_bits(model, batch):
     tokens = torch.randint(CFG.vocab_size, (batch,), device=dev, generator=gen)
     assert (batch * CFG.num_experts_per_tok <= M.SMALL_PAIRS) == (batch == 1)
 
-    def attend(layer: int, q, k, v):
+    def attend(batch: K.PagedBatch, layer: int, q, k, v):
         cache.k[layer, page, last % ps] = k
         cache.v[layer, page, last % ps] = v
-        return K.paged_attention(q, cache.k[layer], cache.v[layer], cu, tables, kv_lens)
+        return K.paged_attention(q, cache.k[layer], cache.v[layer], batch)
 
-    def step() -> torch.Tensor:
-        return model(tokens, last, attend)
+    def step() -> torch.Tensor:  # a new batch each step: its schedule is part of the graph
+        return model(tokens, last, partial(attend, K.PagedBatch(cu, tables, kv_lens)))
 
     eager = step().clone()
     graph, out = captured(step)
@@ -67,6 +68,23 @@ def test_a_captured_decode_step_replays_the_eager_bits(model, batch):
     fresh = step()
     assert not torch.equal(fresh, eager), "new tokens gave the old logits"
     assert_bitwise(out, fresh, "replay with new tokens in the captured buffer")
+
+    # The next step, every request one key longer, written into the captured buffers: the
+    # attention schedule is derived inside the step, so the replay follows the new lengths.
+    # Control: a graph of a batch derived before its capture replays the old schedule.
+    stale = K.PagedBatch(cu, tables, kv_lens)
+    model(tokens, last, partial(attend, stale))  # derives the schedule, outside any graph
+    stale_graph, stale_out = captured(lambda: model(tokens, last, partial(attend, stale)))
+    last.add_(1)
+    kv_lens.add_(1)
+    page.copy_(tables[torch.arange(batch, device=dev), last // ps])
+    graph.replay()
+    stale_graph.replay()
+    torch.cuda.synchronize()
+    longer = step()
+    assert not torch.equal(longer, fresh), "one more key gave the old logits"
+    assert_bitwise(out, longer, "replay with one more key per request")
+    assert not torch.equal(stale_out, longer), "a schedule derived before capture followed"
 
 
 LOCAL_SETS = {"range": range(4, 12), "set": (4, 5, 6, 7, 8, 9, 10, 11)}

@@ -129,8 +129,9 @@ def _attention_at(tile: A.Tile | None) -> tuple[torch.Tensor, torch.Tensor]:
     A.FORCE = tile
     try:
         # Request 0's keys are rows 0..699 of the table, request 1's the whole sequence as one.
-        return K.attention(q, k, v, [0, 700, n]), K.paged_attention(dec_q, kp, vp, cu, table,
-                                                                    lens)  # fmt: skip
+        return K.attention(q, k, v, [0, 700, n]), K.paged_attention(
+            dec_q, kp, vp, K.PagedBatch(cu, table, lens)
+        )
     finally:
         A.FORCE = saved
 
@@ -199,14 +200,16 @@ def test_attention_split_and_fused_partitions_give_the_same_bits(schedule, dtype
     for split_below in (0, 1 << 30):
         schedule(512, split_below)
         for lo, hi in ((0, 700), (700, 1100), (1100, 1299), (1299, 1300)):
-            got = K.paged_attention(q[lo:hi], kp, vp, [0, hi - lo], [table], [hi])
+            got = K.paged_attention(q[lo:hi], kp, vp, K.PagedBatch([0, hi - lo], [table], [hi]))
             assert_bitwise(got, fused[lo:hi], f"chunk {lo}:{hi}, split below {split_below}")
     # Decode of 3 requests at once (ends 513, 1024, 1300), tables and lengths on the device.
     ends = [513, 1024, 1300]
     idx = torch.tensor([e - 1 for e in ends], device="cuda")
     cu = torch.arange(4, device="cuda")
-    got = K.paged_attention(q[idx], kp, vp, cu, table[None].expand(3, -1).contiguous(),
-                            torch.tensor(ends, device="cuda"))  # fmt: skip
+    batch = K.PagedBatch(
+        cu, table[None].expand(3, -1).contiguous(), torch.tensor(ends, device="cuda")
+    )
+    got = K.paged_attention(q[idx], kp, vp, batch)
     for i, e in enumerate(ends):
         alone = K.attention(q[:e], k[:e], v[:e], [0, e])[-1]
         assert_bitwise(got[i], alone, f"decode at {e} vs its own prefill")

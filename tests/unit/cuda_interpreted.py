@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from onpolicy.bits import assert_bitwise, bitwise_equal, n_differ  # noqa: E402
-from onpolicy.kernels.compose import combine, scale_logits  # noqa: E402
+from onpolicy.kernels.compose import PagedBatch, combine, scale_logits  # noqa: E402
 from onpolicy.kernels.cpu import attention as cpu_attention  # noqa: E402
 from onpolicy.kernels.cpu import linear as cpu_linear  # noqa: E402
 from onpolicy.kernels.cpu import logprob as cpu_logprob  # noqa: E402
@@ -284,12 +284,50 @@ def attention_decode_and_chunks_equal_packed_prefill() -> None:
         for chunk in (1, 7, 64, 150):
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                got = attention.paged_attention(q[lo:hi], kp, vp, [0, hi - lo], [table], [hi])
+                batch = PagedBatch([0, hi - lo], [table], [hi])
+                got = attention.paged_attention(q[lo:hi], kp, vp, batch)
                 assert_bitwise(got, full[lo:hi], f"chunk {chunk} at {lo}")
         attention.KV_PARTITION = 128
         differ(attention.attention(q, k, v, [0, n]), full, "128-key partitions")
     finally:
         attention.KV_PARTITION, attention.SPLIT_BELOW = saved
+
+
+@check
+def a_paged_batch_derives_its_schedule_once() -> None:
+    """The layers of one forward share a PagedBatch: the first call derives the launch
+    schedule, the next layers (other pages) reuse it and give a fresh batch's bits, and a new
+    tile derives its own. Control: lengths changed after the first call are not re-read (the
+    kept schedule is what runs), so the later call differs from a fresh batch's."""
+    hq, hkv, d, page = 4, 2, 16, 8
+    kp, vp = (randn(12, page, hkv, d, seed=s) for s in (53, 54))
+    kp2, vp2 = (randn(12, page, hkv, d, seed=s) for s in (55, 56))
+    q = randn(6, hq, d, seed=57)
+    tables = [torch.tensor([3, 0, 7]), torch.tensor([1, 2, 5, 4, 6])]
+    batch = PagedBatch([0, 5, 6], tables, [20, 33])
+    attention.paged_attention(q, kp, vp, batch)
+    assert len(batch.derived) == 1, batch.derived.keys()
+    plan = next(iter(batch.derived.values()))
+    got = attention.paged_attention(q, kp2, vp2, batch)  # the next layer
+    assert next(iter(batch.derived.values())) is plan and len(batch.derived) == 1
+    assert_bitwise(
+        got,
+        attention.paged_attention(q, kp2, vp2, PagedBatch([0, 5, 6], tables, [20, 33])),
+        "layer 2",
+    )
+    saved = attention.FORCE
+    try:
+        attention.FORCE = (32, 4, 2)
+        assert_bitwise(attention.paged_attention(q, kp2, vp2, batch), got, "another tile")
+        assert len(batch.derived) == 2, "a new tile reused another tile's schedule"
+    finally:
+        attention.FORCE = saved
+    batch.kv_lens[1] = 30  # not re-read: the schedule kept from the first call runs
+    differ(
+        attention.paged_attention(q, kp2, vp2, batch),
+        attention.paged_attention(q, kp2, vp2, PagedBatch([0, 5, 6], tables, [20, 30])),
+        "lengths changed after the schedule was derived",
+    )
 
 
 @check

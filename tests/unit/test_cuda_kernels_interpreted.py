@@ -18,6 +18,7 @@ NAMES = [
     "gemm_rows_are_independent_of_the_batch",
     "gemm_shards_of_whole_segments_are_exact",
     "attention_decode_and_chunks_equal_packed_prefill",
+    "a_paged_batch_derives_its_schedule_once",
     "packed_sequences_do_not_see_each_other",
     "moe_grouped_rows_equal_linear_per_expert",
     "row_kernels_are_row_independent_and_match_the_cpu_backend",

@@ -95,7 +95,7 @@ Paged = Callable[..., torch.Tensor]
 
 
 def exact_paged(q, k_pages, v_pages, cu, tables, kv_lens, decode: bool) -> torch.Tensor:
-    return K.paged_attention(q, k_pages, v_pages, cu, tables, kv_lens)
+    return K.paged_attention(q, k_pages, v_pages, K.PagedBatch(cu, tables, kv_lens))
 
 
 def sdpa(q, k, v, causal: bool, mask=None) -> torch.Tensor:

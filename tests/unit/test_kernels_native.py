@@ -34,7 +34,7 @@ def _paged_case():
     k_pages, v_pages = pages(12, 4, seed=7)
     perm = torch.randperm(12, generator=torch.Generator().manual_seed(8))
     tables = [perm[:4], perm[4:]]
-    return (randn(6, HQ, D, seed=9), k_pages, v_pages, [0, 5, 6], tables, [14, 30])
+    return randn(6, HQ, D, seed=9), k_pages, v_pages, K.PagedBatch([0, 5, 6], tables, [14, 30])
 
 
 def _routed():

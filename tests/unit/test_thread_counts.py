@@ -135,7 +135,9 @@ def _paged_attention():
     perm = torch.randperm(n_pages, generator=g(27))
     tables = [perm[:34], perm[34:]]
     q = wide(38, 4, 64, seed=28, dtype=torch.bfloat16, spread=3)
-    return lambda: K.paged_attention(q, k_pages, v_pages, [0, 37, 38], tables, [537, 901])
+    return lambda: K.paged_attention(
+        q, k_pages, v_pages, K.PagedBatch([0, 37, 38], tables, [537, 901])
+    )
 
 
 VOCAB = 151936

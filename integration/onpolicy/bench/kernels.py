@@ -426,10 +426,10 @@ def _decode_attention(b: Bench, graph: bool, row: Row) -> None:
     on_device = (torch.tensor(cu, device=b.device), table, torch.tensor(kv_lens, device=b.device))
 
     def attend():
-        return K.paged_attention(q, k_pages, v_pages, *on_device)
+        return K.paged_attention(q, k_pages, v_pages, K.PagedBatch(*on_device))
 
     def baseline():
-        return K.paged_attention(q, k_pages, v_pages, cu, list(table), kv_lens)
+        return K.paged_attention(q, k_pages, v_pages, K.PagedBatch(cu, list(table), kv_lens))
 
     b.measure(row, attend, natively(baseline), graph)
     row.goal = "≥ 60% copy BW"
@@ -551,17 +551,18 @@ def decode_step(model: Qwen3MoeReference, n: int, ctx: int, page_size: int,
     tokens = torch.randint(c.vocab_size, (n,), device=device)
     positions = torch.full((n,), ctx - 1, device=device)
 
-    def attend(tables_and_lens, layer: int, q, k, v):
+    def attend(batch: K.PagedBatch, layer: int, q, k, v):
         cache.k[layer, new_page, (ctx - 1) % page_size] = k
         cache.v[layer, new_page, (ctx - 1) % page_size] = v
-        cu_, tables_, lens_ = tables_and_lens
-        return K.paged_attention(q, cache.k[layer], cache.v[layer], cu_, tables_, lens_)
+        return K.paged_attention(q, cache.k[layer], cache.v[layer], batch)
 
+    # A new batch each step, as an engine builds one each forward: its schedule is derived
+    # inside the step (and so inside a captured graph), at the first layer.
     def step():
-        return model(tokens, positions, partial(attend, on_device))
+        return model(tokens, positions, partial(attend, K.PagedBatch(*on_device)))
 
     def baseline():
-        return model(tokens, positions, partial(attend, (cu, tables, kv_lens)))
+        return model(tokens, positions, partial(attend, K.PagedBatch(cu, tables, kv_lens)))
 
     return step, baseline
 

@@ -185,19 +185,19 @@ def attention(
     return _impl("attention", q)(q, k, v, cu_seqlens, scale)
 
 
+PagedBatch = compose.PagedBatch
+"""One forward's paged-attention batch (offsets, page tables, key counts), shared by its layers."""
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | Sequence[int],
-    page_tables: Sequence[torch.Tensor],
-    kv_lens: Sequence[int],
+    batch: PagedBatch,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of new tokens over a paged KV cache (chunked prefill, decode)."""
-    return _impl("paged_attention", q)(
-        q, k_pages, v_pages, cu_seqlens_q, page_tables, kv_lens, scale
-    )
+    return _impl("paged_attention", q)(q, k_pages, v_pages, batch, scale)
 
 
 # --- log-probs --------------------------------------------------------------------------------
@@ -300,7 +300,8 @@ def moe(
 
 
 __all__ = [
-    "K_BLOCK", "KV_BLOCK", "VOCAB_SEGMENTS", "attention", "combine_partials", "embedding",
+    "K_BLOCK", "KV_BLOCK", "VOCAB_SEGMENTS", "PagedBatch", "attention", "combine_partials",
+    "embedding",
     "k_segments", "linear", "linear_partial", "log_softmax", "moe", "moe_combine",
     "moe_expert_outputs",
     "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",

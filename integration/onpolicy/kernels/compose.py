@@ -15,6 +15,7 @@ untouched: a backend's bits are what they were.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -64,6 +65,28 @@ def row_parallel_linear(
 # --- attention --------------------------------------------------------------------------------
 def attention_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+@dataclasses.dataclass(eq=False)
+class PagedBatch:
+    """One forward's batch for `paged_attention`, built once and passed to every layer.
+
+    Request i owns the new tokens (query rows) cu_seqlens_q[i]:cu_seqlens_q[i+1]; its cache
+    holds kv_lens[i] keys, at page_tables[i], the new tokens' keys last. Lists are read on the
+    host and checked; CUDA tensors are never read back (a decode step with no host sync), so
+    keeping them consistent is the caller's. A backend keeps what it derives from the batch in
+    `derived` (the CUDA backend: its launch schedule), so only the first layer derives it:
+    build a new batch for each forward, inside the CUDA graph when the forward is captured.
+    """
+
+    cu_seqlens_q: torch.Tensor | Sequence[int]
+    """[requests + 1] offsets of each request's new tokens in q."""
+    page_tables: torch.Tensor | Sequence[torch.Tensor]
+    """Each request's pages: one [requests, pages] tensor, or one tensor a request."""
+    kv_lens: torch.Tensor | Sequence[int]
+    """[requests] keys in each request's cache."""
+    derived: dict = dataclasses.field(default_factory=dict, repr=False)
+    """What backends derived from the batch, keyed by what else it depends on."""
 
 
 def spans(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from onpolicy.kernels.compose import (
+    PagedBatch,
     merge_expert_parallel,  # a selection: no arithmetic
     scale_logits,
     shard_segments,
@@ -116,15 +117,14 @@ def paged_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | Sequence[int],
-    page_tables: Sequence[torch.Tensor],
-    kv_lens: Sequence[int],
+    batch: PagedBatch,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Per request: gather its keys from the pages, SDPA with a mask for the new tokens'
     positions (kv_len - n_new .. kv_len - 1); one new token sees every key, so no mask."""
     outs = []
-    for (a, b), table, n in zip(spans(cu_seqlens_q), page_tables, kv_lens, strict=True):
+    for (a, b), table, n in zip(spans(batch.cu_seqlens_q), batch.page_tables, batch.kv_lens,
+                                strict=True):  # fmt: skip
         pages = math.ceil(n / k_pages.shape[1])
         k = k_pages[table[:pages]].flatten(0, 1)[:n]
         v = v_pages[table[:pages]].flatten(0, 1)[:n]

@@ -248,12 +248,13 @@ class Qwen3MoeReference(nn.Module):
         )
         positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends, strict=True)])
         positions = positions.to(self.device)
+        batch = K.PagedBatch(cu, tables, ends)
 
         def attend(layer: int, q, k, v):
             # Keys of the new tokens go into the cache first; attention then reads only the cache.
             for r, a, c0, c1 in zip(requests, starts, cu[:-1], cu[1:], strict=True):
                 cache.write(layer, r, a, k[c0:c1], v[c0:c1])
-            return K.paged_attention(q, cache.k[layer], cache.v[layer], cu, tables, ends)
+            return K.paged_attention(q, cache.k[layer], cache.v[layer], batch)
 
         done = [i for i, r in enumerate(requests) if ends[i] == len(r.tokens)]
         logits = self(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from onpolicy.kernels.compose import attention_scale, spans, varlen_with_native_grad
+from onpolicy.kernels.compose import PagedBatch, attention_scale, spans, varlen_with_native_grad
 from onpolicy.kernels.rules import K_BLOCK, KV_BLOCK
 from onpolicy.kernels.tree import tree_sum
 
@@ -99,9 +99,7 @@ def paged_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | Sequence[int],
-    page_tables: Sequence[torch.Tensor],
-    kv_lens: Sequence[int],
+    batch: PagedBatch,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a paged KV cache (chunked prefill and decode).
@@ -113,7 +111,8 @@ def paged_attention(
     """
     sc = attention_scale(q, scale)
     outs = []
-    for (a, b), table, n in zip(spans(cu_seqlens_q), page_tables, kv_lens, strict=True):
+    for (a, b), table, n in zip(spans(batch.cu_seqlens_q), batch.page_tables, batch.kv_lens,
+                                strict=True):  # fmt: skip
         k = gather_pages(k_pages, table, n)
         v = gather_pages(v_pages, table, n)
         outs.append(_attend(q[a:b], k, v, torch.arange(n - (b - a), n), sc))

@@ -32,13 +32,14 @@ token's output does not depend on the batch, the chunking, or prefill vs decode.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from onpolicy.kernels.compose import PagedBatch, varlen_with_native_grad
 from onpolicy.kernels.compose import attention_scale as _scale
-from onpolicy.kernels.compose import varlen_with_native_grad
 from onpolicy.kernels.rules import KV_BLOCK
 
 Tile = tuple[int, int, int]
@@ -357,63 +358,80 @@ def attention(
     return varlen_with_native_grad(_varlen_exact, q, k, v, cu_seqlens, scale)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | Sequence[int],
-    page_tables: Sequence[torch.Tensor],
-    kv_lens: Sequence[int],
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Causal attention of new tokens over a paged cache [num_pages, page_size, Hkv, D]; the
-    new tokens of request i sit at positions kv_lens[i] - n_new .. kv_lens[i] - 1.
+class _Plan(NamedTuple):
+    """What a launch derives from a `PagedBatch`: the same for every layer of the forward."""
 
-    Device path (a decode step with no host sync): `cu_seqlens_q` and `kv_lens` CUDA tensors
-    and `page_tables` one [requests, pages] CUDA tensor. The page count bounds the keys, and the
-    tables and lengths are the caller's to keep consistent (they are not read on the host).
-    Given as lists, they are checked first."""
-    num_pages, page_size, hkv, d = k_pages.shape
-    _check_shapes(q, hkv)
-    k_rows = k_pages.reshape(num_pages * page_size, hkv, d)
-    v_rows = v_pages.reshape(num_pages * page_size, hkv, d)
-    g = q.shape[1] // hkv
-    on_device = (isinstance(page_tables, torch.Tensor) and isinstance(kv_lens, torch.Tensor)
-                 and isinstance(cu_seqlens_q, torch.Tensor) and kv_lens.is_cuda
-                 and cu_seqlens_q.is_cuda)  # fmt: skip
+    sched: torch.Tensor
+    pages: torch.Tensor
+    max_keys: int
+    tile: Tile
+
+
+def _plan(batch: PagedBatch, t: int, g: int, page_size: int, tile: Tile, dev) -> _Plan | None:
+    """The batch's schedule for t new tokens of g query heads a KV head, cut for `tile`; None:
+    no keys."""
+    cu_q, tables, kv_lens = batch.cu_seqlens_q, batch.page_tables, batch.kv_lens
+    on_device = (isinstance(tables, torch.Tensor) and isinstance(kv_lens, torch.Tensor)
+                 and isinstance(cu_q, torch.Tensor) and kv_lens.is_cuda
+                 and cu_q.is_cuda)  # fmt: skip
     if on_device:
-        pages = page_tables.to(q.device, torch.int64)
+        pages = tables.to(dev, torch.int64)
         if pages.shape[1] == 0:
-            return q.new_zeros(q.shape)
-        cu = cu_seqlens_q.to(torch.int64)
+            return None
+        cu = cu_q.to(torch.int64)
         n_new = cu[1:] - cu[:-1]
         lens = kv_lens.to(torch.int64)
-        tile = tile_for(q.shape[0] * g, n_new.numel())
-        sched = _schedule(cu[:-1], n_new, lens, torch.zeros_like(lens), g, q.shape[0], q.device,
-                          tile[0])  # fmt: skip
-        return _launch(_rows(q), k_rows, v_rows, sched, pages, page_size, _scale(q, scale),
-                       pages.shape[1] * page_size, tile)  # fmt: skip
-    cu = _host_ints(cu_seqlens_q)
+        sched = _schedule(cu[:-1], n_new, lens, torch.zeros_like(lens), g, t, dev, tile[0])
+        return _Plan(sched, pages, pages.shape[1] * page_size, tile)
+    cu = _host_ints(cu_q)
     if len(cu) < 2:
-        return q.new_zeros(q.shape)
+        return None
     lens = _host_ints(kv_lens)
     n_new = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    if isinstance(page_tables, torch.Tensor):
-        pages = page_tables.to(q.device, torch.int64)
+    if isinstance(tables, torch.Tensor):
+        pages = tables.to(dev, torch.int64)
         widths = [pages.shape[1]] * pages.shape[0]
     else:
-        tables = [torch.as_tensor(t, device=q.device).long() for t in page_tables]
-        widths = [t.numel() for t in tables]
+        tabs = [torch.as_tensor(x, device=dev).long() for x in tables]
+        widths = [x.numel() for x in tabs]
         same = len(set(widths)) == 1
-        pages = torch.stack(tables) if same else torch.nn.utils.rnn.pad_sequence(tables, True)
+        pages = torch.stack(tabs) if same else torch.nn.utils.rnn.pad_sequence(tabs, True)
     if pages.shape[1] == 0:
-        pages = torch.zeros(len(n_new), 1, dtype=torch.int64, device=q.device)
+        pages = torch.zeros(len(n_new), 1, dtype=torch.int64, device=dev)
     for i, (n, kv, w) in enumerate(zip(n_new, lens, widths, strict=True)):
         if n > kv:
             raise ValueError(f"attention: {n} new tokens but only {kv} keys in the cache")
         if w * page_size < kv:
             raise ValueError(f"paged_attention: request {i} has {kv} keys but {w} pages")
-    tile = tile_for(q.shape[0] * g, len(n_new))
-    sched = _schedule(cu[:-1], n_new, lens, [0] * len(lens), g, q.shape[0], q.device, tile[0])
-    return _launch(_rows(q), k_rows, v_rows, sched, pages, page_size, _scale(q, scale),
-                   max(lens, default=0), tile)  # fmt: skip
+    sched = _schedule(cu[:-1], n_new, lens, [0] * len(lens), g, t, dev, tile[0])
+    return _Plan(sched, pages, max(lens, default=0), tile)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: PagedBatch,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over a paged cache [num_pages, page_size, Hkv, D]; the
+    new tokens of request i sit at positions kv_lens[i] - n_new .. kv_lens[i] - 1.
+
+    The launch schedule is derived from the batch once (about twenty small torch kernels on
+    the device path, a check and a copy on the host path) and kept in `batch.derived`: the
+    other layers of the forward launch the kernel alone. Given as CUDA tensors (a decode step
+    with no host sync) the page count bounds the keys; given as lists, they are checked."""
+    num_pages, page_size, hkv, d = k_pages.shape
+    _check_shapes(q, hkv)
+    g = q.shape[1] // hkv
+    tile = tile_for(q.shape[0] * g, len(batch.cu_seqlens_q) - 1)
+    key = ("cuda", q.shape[0], g, page_size, tile, q.device)
+    if key not in batch.derived:
+        batch.derived[key] = _plan(batch, q.shape[0], g, page_size, tile, q.device)
+    plan = batch.derived[key]
+    if plan is None:
+        return q.new_zeros(q.shape)
+    k_rows = k_pages.reshape(num_pages * page_size, hkv, d)
+    v_rows = v_pages.reshape(num_pages * page_size, hkv, d)
+    return _launch(_rows(q), k_rows, v_rows, plan.sched, plan.pages, page_size,
+                   _scale(q, scale), plan.max_keys, plan.tile)  # fmt: skip
