@@ -4,7 +4,8 @@ only decides which outputs a program computes, so every row must say `same`; the
 what `tile_for` should pick. Baselines: cuBLAS (torch.matmul) for the GEMM, the copy bandwidth
 for decode attention, flash SDPA for prefill attention.
 
-    python -m onpolicy.bench.tiles [--only gemm,decode_gemm,dispatch,attention,moe,decode_step]
+    python -m onpolicy.bench.tiles [--only gemm,decode_gemm,dispatch,attention,partitions,moe,
+                                           decode_step]
                                    [--layers 4]
 
 `decode_step` profiles the reference model's decode step by kernel (eager, one step at B = 1
@@ -264,6 +265,45 @@ def attention(dev: torch.device) -> None:
             print(f"  {tile}: {t:.3f} ms ratio {base / t:.2f} {same(out, ref)}")
 
 
+@contextlib.contextmanager
+def partition(keys: int) -> Iterator[None]:
+    saved = A.KV_PARTITION
+    A.KV_PARTITION = keys
+    try:
+        yield
+    finally:
+        A.KV_PARTITION = saved
+
+
+def partitions(dev: torch.device) -> None:
+    """What the partition width (part of the bits: a rules change) would buy: decode at
+    context 512 as a graph of the kernels alone, and packed prefill, at 128, 256 and 512 keys."""
+    hq, hkv, d, ps, ctx = 32, 4, 128, 16, 512
+    for b in (1, 8, 64):
+        kp = torch.randn(b * ctx // ps, ps, hkv, d, device=dev, dtype=DTYPE)
+        vp = torch.randn_like(kp)
+        table = torch.randperm(b * ctx // ps, device=dev).view(b, ctx // ps)
+        q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
+        cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
+        for keys in (128, 256, 512):
+            with partition(keys):
+                batch = K.PagedBatch(cu, table, lens)
+                K.paged_attention(q, kp, vp, batch)
+                g, _ = captured(partial(K.paged_attention, q, kp, vp, batch))
+                t = ms(g.replay)
+            print(f"decode B={b} ctx={ctx}, partitions of {keys} keys: {t * 1e3:.1f} us")
+    for n, seqs in ((4096, 1), (16384, 4)):
+        q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
+        k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
+        v = torch.randn_like(k)
+        cu = [i * n // seqs for i in range(seqs + 1)]
+        for keys in (128, 256, 512):
+            with partition(keys):
+                K.attention(q, k, v, cu)
+                t = ms(lambda: K.attention(q, k, v, cu))  # noqa: B023
+            print(f"prefill {seqs} x {n // seqs}, partitions of {keys} keys: {t:.3f} ms")
+
+
 def moe(dev: torch.device) -> None:
     e, h, i, top = 128, 2048, 768, 8
     gate = torch.randn(e, h, device=dev, dtype=DTYPE) * h**-0.5
@@ -347,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     families = {"gemm": gemm, "decode_gemm": decode_gemm, "dispatch": dispatch,
-                "attention": attention, "moe": moe,
+                "attention": attention, "partitions": partitions, "moe": moe,
                 "decode_step": partial(decode_steps, layers=args.layers)}  # fmt: skip
     for name in args.only.split(","):
         families[name](dev)
