@@ -36,6 +36,7 @@ from onpolicy.kernels.cpu import logprob as cpu_logprob  # noqa: E402
 from onpolicy.kernels.cpu import moe as cpu_moe  # noqa: E402
 from onpolicy.kernels.cpu import noise as cpu_noise  # noqa: E402
 from onpolicy.kernels.cpu import norm as cpu_norm  # noqa: E402
+from onpolicy.kernels.cpu import ops as cpu_ops  # noqa: E402
 from onpolicy.kernels.cpu import rope as cpu_rope  # noqa: E402
 from onpolicy.kernels.cuda import attention, elementwise, linear, logprob, moe, noise  # noqa: E402
 from onpolicy.kernels.cuda import ops as cuda_ops  # noqa: E402
@@ -517,6 +518,30 @@ def noise_is_the_cpu_backends_bits() -> None:
         differ(got, cpu_noise.uniform_noise(words, 3001), "noise with the multipliers swapped")
     finally:
         cpu_noise.MIX = saved
+
+
+@check
+def qk_norm_rope_is_norm_then_rope() -> None:
+    """The fused kernel reads q and k in place from one qkv row (head dims 16 and 8: strides
+    that are and are not multiples of 16) and gives `rope(rms_norm(.))`'s bits for each; the
+    CPU backend's op is its own two ops. Control: k normed with q's weight gives other bits."""
+    for d, hq, hkv in ((16, 4, 2), (8, 6, 1)):
+        table = cpu_rope.rope_table(d, 1e6, 64).to(torch.bfloat16).float()
+        qkv = wide(5, (hq + 2 * hkv) * d, seed=d).to(torch.bfloat16)
+        q, k, _ = qkv.view(5, -1, d).split([hq, hkv, hkv], dim=1)
+        qw, kw, p = randn(d, seed=d + 1), randn(d, seed=d + 2), torch.tensor([0, 9, 63, 2, 9])
+        qw, kw = qw.to(torch.bfloat16), kw.to(torch.bfloat16)
+        fq, fk = elementwise.qk_norm_rope(q, k, qw, kw, 1e-6, p, table)
+        for got, x, w, what in ((fq, q, qw, "q"), (fk, k, kw, "k")):
+            split = elementwise.rope(elementwise.rms_norm(x.contiguous(), w, 1e-6), p, table)
+            assert_bitwise(got, split, f"d {d} {what}")
+        cq, ck = cuda_ops.qk_norm_rope(q, k, qw, kw, 1e-6, p, table)
+        assert_bitwise(cq, fq, f"d {d} q through the surface")
+        cpu_q, cpu_k = cpu_ops.qk_norm_rope(q, k, qw, kw, 1e-6, p, table)
+        assert_bitwise(cpu_q, cpu_rope.rope(cpu_norm.rms_norm(q, qw, 1e-6), p, table), "cpu q")
+        assert_bitwise(cpu_k, cpu_rope.rope(cpu_norm.rms_norm(k, kw, 1e-6), p, table), "cpu k")
+        _, other = elementwise.qk_norm_rope(q, k, qw, qw, 1e-6, p, table)
+        differ(other, fk, f"d {d} k with q's weight")
 
 
 if __name__ == "__main__":

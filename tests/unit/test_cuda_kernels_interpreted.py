@@ -24,6 +24,7 @@ NAMES = [
     "row_kernels_are_row_independent_and_match_the_cpu_backend",
     "logprobs_vocab_parallel_equal_full",
     "noise_is_the_cpu_backends_bits",
+    "qk_norm_rope_is_norm_then_rope",
 ]
 
 

@@ -10,9 +10,8 @@ runs the same harness on a plain op that breaks it:
 - RMSNorm fused pair: SGLang's native RMSNorm, which normalises the unrounded fp32 sum x + r.
 - SiLU-mul: `F.silu` under `K.native_ops()` (its SIMD kernels compute a tensor's tail with a
   scalar formula).
-- q/k norm + RoPE (one op: the backend's rms_norm then rope, on q and k read as views of one
-  qkv row) against the two ops on contiguous copies: the plain HF steps under `K.native_ops()`
-  in the same comparison.
+- q/k norm + RoPE (one op, fused on CUDA) against the backend's rms_norm then rope: the plain
+  HF steps under `K.native_ops()` in the same comparison.
 RoPE and the embedding gather are elementwise, and so are their plain forms (per-call cos/sin
 included: torch.cos/sin give every element the same bits on CPU): no plain op breaks them on
 CPU, so they have no control. On CUDA the row reduction (RMSNorm's mean square) breaks.
@@ -219,8 +218,8 @@ QK_HEADS = [(4, 2), (32, 4), (6, 1)]
 
 def qk_norm_rope_pairs(qk_norm_rope: Callable, qkv: torch.Tensor, heads: tuple[int, int],
                        d: int, qw, kw, pos, table) -> Pairs:  # fmt: skip
-    """`qk_norm_rope` on q and k as views of one qkv row, against the backend's rms_norm then
-    rope of contiguous copies, and the last token alone against the batch."""
+    """`qk_norm_rope` on q and k read in place from one qkv row, against the backend's rms_norm
+    then rope of contiguous copies, and the last token alone against the batch."""
     hq, hkv = heads
     q, k, _ = qkv.view(qkv.shape[0], -1, d).split([hq, hkv, hkv], dim=1)
     fq, fk = qk_norm_rope(q, k, qw, kw, EPS, pos, table)

@@ -44,6 +44,7 @@ _OPS: dict[str, str] = {
     "row_parallel_linear": "row_parallel_linear",
     "rms_norm": "rms_norm",
     "rope": "rope",
+    "qk_norm_rope": "qk_norm_rope",
     "silu_mul": "silu_mul",
     "embedding": "embedding",
     "attention": "attention",
@@ -157,10 +158,9 @@ def qk_norm_rope(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
     positions: torch.Tensor, table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Qwen3's per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D], then neox RoPE: the
-    backend's `rope(rms_norm(.))` of each (q and k may be views into one qkv row)."""
-    return (rope(rms_norm(q, q_weight, eps), positions, table),
-            rope(rms_norm(k, k_weight, eps), positions, table))  # fmt: skip
+    """Qwen3's per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D], then neox RoPE: the bits of
+    `rope(rms_norm(.))` of each, in fewer launches where the backend fuses them."""
+    return _impl("qk_norm_rope", q)(q, k, q_weight, k_weight, eps, positions, table)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,16 @@ def varlen_with_native_grad(exact_varlen, q, k, v, cu_seqlens, scale):
     )  # fmt: skip
 
 
+# --- norms and rotary -------------------------------------------------------------------------
+def qk_norm_rope(
+    rms_norm: Callable, rope: Callable, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, eps: float, positions: torch.Tensor, table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A backend's rms_norm then rope of each head of q and of k."""
+    return (rope(rms_norm(q, q_weight, eps), positions, table),
+            rope(rms_norm(k, k_weight, eps), positions, table))  # fmt: skip
+
+
 # --- activations ------------------------------------------------------------------------------
 def silu_mul_native(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu's silu(gate) * up in fp32, rounded to gate's dtype: the gradient every backend's

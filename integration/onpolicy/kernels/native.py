@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from onpolicy.kernels import compose
 from onpolicy.kernels.compose import (
     PagedBatch,
     merge_expert_parallel,  # a selection: no arithmetic
@@ -28,9 +29,9 @@ from onpolicy.kernels.rules import check_segments
 
 __all__ = [
     "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
-    "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "rms_norm", "rope",
-    "route", "row_parallel_linear", "silu_mul", "sumexp_partial", "token_logprobs",
-    "uniform_noise", "vocab_parallel_token_logprobs",
+    "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "qk_norm_rope",
+    "rms_norm", "rope", "route", "row_parallel_linear", "silu_mul", "sumexp_partial",
+    "token_logprobs", "uniform_noise", "vocab_parallel_token_logprobs",
 ]  # fmt: skip
 
 
@@ -82,6 +83,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch
     cos, sin = rows[..., :half].repeat(1, 1, 2), rows[..., half:].repeat(1, 1, 2)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, table):
+    """HF Qwen3Attention's q_norm/k_norm, then apply_rotary_pos_emb."""
+    return compose.qk_norm_rope(rms_norm, rope, q, k, q_weight, k_weight, eps, positions, table)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

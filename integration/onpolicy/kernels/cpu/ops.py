@@ -19,10 +19,11 @@ from onpolicy.kernels.cpu.rope import rope
 row_parallel_linear = partial(compose.row_parallel_linear, linear_partial)
 vocab_parallel_token_logprobs = partial(compose.vocab_parallel_token_logprobs, sumexp_partial)
 moe = partial(compose.moe, route, expert_outputs, combine)
+qk_norm_rope = partial(compose.qk_norm_rope, rms_norm, rope)
 
 __all__ = [
     "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
-    "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "rms_norm", "rope",
-    "route", "row_parallel_linear", "silu_mul", "sumexp_partial", "token_logprobs",
-    "uniform_noise", "vocab_parallel_token_logprobs",
+    "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "qk_norm_rope",
+    "rms_norm", "rope", "route", "row_parallel_linear", "silu_mul", "sumexp_partial",
+    "token_logprobs", "uniform_noise", "vocab_parallel_token_logprobs",
 ]  # fmt: skip

@@ -5,6 +5,9 @@ width alone, so a row's bits never depend on how many rows there are or where it
 - rms_norm: the mean square is one `tl.sum` over the row in a layout fixed by the width; then
   the CPU backend's steps (fused residual add rounded first, normalise in fp32, cast, weight);
 - rope: neox halves rotated in fp32 with cos/sin read from the model's fp32 table, rounded once;
+- qk_norm_rope: rms_norm then rope of each head in one launch for q and one for k, one program
+  per (token, head): `rms_norm`'s body (the same jit helpers, layout and order) stores the
+  normed row, then `rope`'s rotation of its halves loaded back; the bits of the two ops;
 - silu_mul: g / (1 + exp(-g)) * up in fp32, rounded once; elementwise, so offsets cannot matter;
 - embedding: a row copy.
 """
@@ -32,6 +35,30 @@ def _width_config(width: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _inv_rms(x, H, eps):
+    """1 / sqrt(mean(x^2) + eps) of one row x (loaded, its padding 0): one `tl.sum` in x's
+    layout, which the row's width fixes (`_width_config`)."""
+    xf = x.to(tl.float32)
+    return 1.0 / tl.sqrt_rn(tl.sum(xf * xf, 0) / H + eps)
+
+
+@triton.jit
+def _normed(x, inv, w_ptr, cols, ok, dt: tl.constexpr):
+    """Elements `cols` of the normed row: x * inv rounded to the row's dtype, times the weight,
+    rounded to `dt`. Elementwise, so any subset of the row's elements gets the row's bits."""
+    y = (x.to(tl.float32) * inv).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    return (w * y.to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """Neox RoPE of the halves (x1, x2) in fp32."""
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
@@ -44,11 +71,8 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * H + cols, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * H + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    ms = tl.sum(xf * xf, 0) / H
-    y = (xf * (1.0 / tl.sqrt_rn(ms + eps))).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * H + cols, (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+    out = _normed(x, _inv_rms(x, H, eps), w_ptr, cols, ok, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * H + cols, out, mask=ok)
 
 
 def rms_norm(
@@ -100,12 +124,12 @@ def _rope_kernel(
     cos = tl.load(table_ptr + pos * stride_table + i)[None, :]
     sin = tl.load(table_ptr + pos * stride_table + HALF + i)[None, :]
     at = t * stride_xt + hh[:, None] * stride_xh + i[None, :]
-    x1 = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + at + HALF, mask=ok, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(tl.load(x_ptr + at, mask=ok, other=0.0),
+                     tl.load(x_ptr + at + HALF, mask=ok, other=0.0), cos, sin)  # fmt: skip
     o = t * heads * 2 * HALF + hh[:, None] * 2 * HALF + i[None, :]
     dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + o, (x1 * cos - x2 * sin).to(dt), mask=ok)
-    tl.store(out_ptr + o + HALF, (x2 * cos + x1 * sin).to(dt), mask=ok)
+    tl.store(out_ptr + o, o1.to(dt), mask=ok)
+    tl.store(out_ptr + o + HALF, o2.to(dt), mask=ok)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -118,10 +142,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch
     )
 
 
-def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    t, heads, d = x.shape
+def _check_rope(d: int, positions: torch.Tensor, table: torch.Tensor) -> None:
+    """What the rope kernel needs: a table for head_dim d, d twice a power of 2, positions
+    inside the table (checked on the device while a CUDA graph is captured)."""
     half = d // 2
-    if table.shape[-1] != 2 * half:
+    if table.shape[-1] != 2 * half or d % 2:
         raise ValueError(f"rope: table is for head_dim {table.shape[-1]}, x has {d}")
     if half & (half - 1):
         raise ValueError(f"rope: head_dim {d} must be twice a power of 2 on CUDA")
@@ -131,6 +156,12 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
         raise ValueError(
             f"rope: position {int(positions.max())} is past the table's {table.shape[0]} positions"
         )
+
+
+def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    t, heads, d = x.shape
+    half = d // 2
+    _check_rope(d, positions, table)
     table = table.to(x.device, torch.float32).contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
@@ -139,6 +170,96 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
                            x.stride(0), x.stride(1), table.stride(0), HALF=half,
                            HEADS=triton.next_power_of_2(heads))  # fmt: skip
     return out
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_t, stride_h, stride_table, H, eps,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """`_rms_norm_kernel`'s body on one head, its normed row stored to `out`; then, after a
+    barrier, `_rope_kernel`'s rotation of the halves loaded back from `out`. The rotation's
+    inputs are loads, as in `_rope_kernel`, so the compiler sees the same arithmetic (an fp32
+    product kept in registers could be contracted into the rotation's fma)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    x_row = x_ptr + t * stride_t + h * stride_h
+    out = out_ptr + (t * heads + h) * H
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_row + cols, mask=ok, other=0.0)
+    tl.store(out + cols, _normed(x, _inv_rms(x, H, eps), w_ptr, cols, ok,
+                                 out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+    tl.debug_barrier()
+    i = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(table_ptr + pos * stride_table + i)
+    sin = tl.load(table_ptr + pos * stride_table + HALF + i)
+    o1, o2 = _rotate(tl.load(out + i), tl.load(out + HALF + i), cos, sin)
+    tl.debug_barrier()  # every thread has loaded both halves before any overwrites them
+    tl.store(out + i, o1.to(out_ptr.dtype.element_ty))
+    tl.store(out + HALF + i, o2.to(out_ptr.dtype.element_ty))
+
+
+def _aligned_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] as the kernel reads it: unit stride within a head, and its head and token
+    strides multiples of 16 elements (as a contiguous [T * heads, D] row is for D a multiple of
+    16), else a contiguous copy: the alignment Triton sees decides the norm's layout."""
+    if (
+        x.stride(-1) == 1
+        and x.stride(0) % 16 == 0
+        and x.stride(1) % 16 == 0
+        and (x.data_ptr() % 16 == 0)
+    ):
+        return x
+    return x.contiguous()
+
+
+def _qk_norm_rope_exact(q, k, q_weight, k_weight, eps, positions, table):
+    t, q_heads, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must share T "
+                         "and head_dim")  # fmt: skip
+    if q_weight.shape[-1] != d or k_weight.shape[-1] != d:
+        raise ValueError(f"qk_norm_rope: norm weights of {q_weight.shape[-1]} and "
+                         f"{k_weight.shape[-1]} elements, heads of {d}")  # fmt: skip
+    if q.dtype != k.dtype:
+        raise ValueError(f"qk_norm_rope: q is {q.dtype}, k is {k.dtype}")
+    _check_rope(d, positions, table)
+    table = table.to(q.device, torch.float32).contiguous()
+    positions = positions.to(q.device).contiguous()
+    block, warps = _width_config(d)
+    outs = []
+    for x, w in ((q, q_weight), (k, k_weight)):  # one launch each: no branch on q or k
+        x = _aligned_heads(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if x.numel():
+            _norm_rope_kernel[(t, x.shape[1])](
+                x, w.contiguous(), positions, table, out, x.shape[1], x.stride(0), x.stride(1),
+                table.stride(0), d, eps, HALF=d // 2, BLOCK=block, num_warps=warps,
+            )  # fmt: skip
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    positions: torch.Tensor, table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """rope(rms_norm(q)), rope(rms_norm(k)) for q [T, Hq, D] and k [T, Hkv, D] (views into one
+    qkv row are read in place): one launch each, the bits of the two ops. The gradient is that of
+    the plain torch steps."""
+    return exact_with_native_grad(
+        lambda q_, k_, qw, kw: _qk_norm_rope_exact(q_, k_, qw, kw, eps, positions, table),
+        lambda q_, k_, qw, kw: _qk_norm_rope_native(q_, k_, qw, kw, eps, positions, table),
+        q, k, q_weight, k_weight,
+    )  # fmt: skip
+
+
+def _qk_norm_rope_native(q, k, q_weight, k_weight, eps, positions, table):
+    pos, tab = positions.to(q.device), table.to(q.device)
+    return (_torch_rope.rope(_torch_norm.rms_norm(q, q_weight, eps), pos, tab),
+            _torch_rope.rope(_torch_norm.rms_norm(k, k_weight, eps), pos, tab))  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["n"])  # n grows with the batch (warmup.py)
