@@ -110,7 +110,8 @@ def test_negative_control_a_shard_is_not_one_segment_of_another_s(k, tp):
     assert not torch.equal(K.row_parallel_linear(x, w, tp), K.linear(x, w))
 
 
-ATTENTION_TILES = [A.DECODE, A.PREFILL, (16, 2, 3), (32, 4, 3), (64, 8, 2), (128, 4, 2)]
+ATTENTION_TILES = [A.DECODE, A.DECODE_FEW, A.PREFILL, (16, 2, 3), (32, 4, 3), (64, 8, 2),
+                   (128, 4, 2)]  # fmt: skip
 
 
 def _attention_at(tile: A.Tile | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     from onpolicy.kernels.cuda import attention as A
 
     attn = []
-    for name, tile in (("DECODE", A.DECODE), ("PREFILL", A.PREFILL)):
+    for name, tile in (("DECODE", A.DECODE), ("DECODE_FEW", A.DECODE_FEW), ("PREFILL", A.PREFILL)):
         for split in (False, True):
             (tb, pb), (tf, pf) = (compile_attention(dt, tile, split) for dt in ("bf16", "fp32"))
             attn.append(f"| {name} {tile} | {'split' if split else 'fused'} | {tb:.2f} | "

@@ -70,7 +70,8 @@ def token_bounds(top_k: int, q_per_kv: int, kv_heads: int, max_tokens: int) -> l
     sequence or of T one-token sequences."""
     # The MoE's path, then its grouped tile (only past SMALL_PAIRS), in (token, slot) pairs.
     pairs = (moe.SMALL_PAIRS, *(b for b in linear.ROW_BOUNDS if b > moe.SMALL_PAIRS))
-    bounds = {*linear.ROW_BOUNDS, *(b // top_k for b in pairs), attention.KV_PARTITION}
+    bounds = {*linear.ROW_BOUNDS, *(b // top_k for b in pairs), attention.KV_PARTITION,
+              attention.FEW_REQUESTS}  # fmt: skip
     split = [c for c in range(attention.KV_PARTITION + 1, max_tokens + 1)
              if attention.split_for(_tiles([c], q_per_kv), kv_heads, c)]  # fmt: skip
     if split:
