@@ -32,6 +32,9 @@ NEW = 8
 """Tokens sampled per request."""
 LEAVE_GIB = 3.0
 """Available memory the neighbour leaves while the exact engine starts."""
+WARM_UP_TOKENS = 40
+"""The largest batch of the exact engine's warm-up, run after the requests (a launch's would reach
+its chunk)."""
 VOCAB = 1000
 """A vocabulary size for the unit checks (larger than every top_k below)."""
 
@@ -71,7 +74,8 @@ def engine(tiny_checkpoint, tmp_path_factory, compile_cache):
     @functools.cache
     def get(stock: bool) -> dict:
         tmp = tmp_path_factory.mktemp("sglang-requests-stock" if stock else "sglang-requests")
-        plan = {"ckpt": str(tiny_checkpoint), "requests": REQUESTS, "stock": stock}
+        plan = {"ckpt": str(tiny_checkpoint), "requests": REQUESTS, "stock": stock,
+                "warm_up_tokens": 0 if stock else WARM_UP_TOKENS}  # fmt: skip
         (tmp / "plan.json").write_text(json.dumps(plan))
         out = tmp / "result.json"
         cmd = [sys.executable, str(WORKER), "--plan", str(tmp / "plan.json"), "--out", str(out)]
@@ -119,6 +123,29 @@ def test_bad_requests_are_refused_and_the_engine_stays_exact(engine, tiny_checkp
     bad = n_differ(got, want)
     print(f"[exact] valid request after the refusals: decode == score {NEW - bad}/{NEW} tokens")
     assert bad == 0, mismatch_report(got, want)
+
+
+def test_the_warm_up_runs_on_the_engine_and_leaves_it_exact(engine, tiny_checkpoint):
+    """`rollout.warmup` on the real engine: every prompt of every batch answered (it raises
+    otherwise), the radix cache emptied (likewise), the limits its server info reports, and the
+    valid request answered after it with the bits it had before."""
+    from onpolicy.kernels.cuda.warmup import token_bounds
+    from onpolicy.models.reference import Qwen3MoeReference
+
+    res = engine(False)
+    warm, before = res["warm_up"], res["answers"][len(BAD)]
+    print(f"[exact] warm-up: {warm['batches']} batches, {warm['prompts']} prompts, "
+          f"{warm['tokens']} tokens in {warm['seconds']:.1f} s; a launch's: "
+          f"{warm['launch_batches']} batches, {warm['launch_prompts']} prompts up to "
+          f"{warm['max_tokens']} tokens")  # fmt: skip
+    cfg = Qwen3MoeReference.from_pretrained(tiny_checkpoint, torch.bfloat16).cfg
+    sent = [sum(b) for b in warm["sent"]]
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    for b in token_bounds(cfg.num_experts_per_tok, g, cfg.num_key_value_heads, WARM_UP_TOKENS):
+        assert b in sent and b + 1 in sent, (b, sent)
+    assert warm["prompts"] == sum(map(len, warm["sent"])) and max(sent) == WARM_UP_TOKENS
+    assert warm["max_prompt"] > 0 and warm["max_tokens"] > 0 and warm["launch_prompts"] > 0, warm
+    assert warm["after"] == before, "the valid request's answer changed after the warm-up"
 
 
 @pytest.mark.slow

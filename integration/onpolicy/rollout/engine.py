@@ -2,7 +2,8 @@
 
 - `engine_env`: the environment a CPU engine process needs before `import sglang`;
 - `exact_engine_args` / `engine_kwargs`: the `sglang.Engine` arguments (exact, or SGLang's stock
-  CPU path, the negative control); `launch`: the started engine;
+  CPU path, the negative control); `launch`: the started engine (with `warm_up`, its prefill's
+  kernels compiled first, `rollout.warmup`);
 - `RolloutRequest` and `sample`: generate a batch with fp32 log-probs (and routed experts);
 - `EngineHandle`: the operations the rest of the system asks of one engine, by name, with the
   send-now / result-later transport the weight sync overlaps with its own collectives.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -130,11 +132,14 @@ def engine_kwargs(model_path: str | os.PathLike, tp: int = 1, ep: int = 1,
 
 
 def launch(model_path: str | os.PathLike, tp: int = 1, ep: int = 1, dtype: str = "bfloat16",
-           exact: bool = True, **extra: Any):  # fmt: skip
+           exact: bool = True, *, warm_up: bool = False, **extra: Any):  # fmt: skip
     """A started `sglang.Engine` (see `engine_kwargs`; call `.shutdown()` when done).
 
     On CPU the process must already carry `engine_env(tp, run_dir)`: SGLang reads
     SGLANG_USE_CPU_ENGINE at import, so it cannot be set from here.
+    `warm_up`: before returning, compile the prefill's Triton variants of an exact CUDA engine
+    (`rollout.warmup`; one line on stderr says what it ran). Off by default: its prompts grow
+    with the largest extend batch (16258 prompts for a 4096-token one at Qwen3-30B-A3B's heads).
     """
     kwargs = engine_kwargs(model_path, tp, ep, dtype, exact, **extra)
     if kwargs["device"] == "cpu" and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
@@ -144,7 +149,18 @@ def launch(model_path: str | os.PathLike, tp: int = 1, ep: int = 1, dtype: str =
         )
     import sglang as sgl
 
-    return sgl.Engine(**kwargs)
+    engine = sgl.Engine(**kwargs)
+    if warm_up:
+        from onpolicy.rollout.warmup import engine_prompts, warm_up_engine
+
+        try:
+            w = warm_up_engine(engine, engine_prompts(engine))
+        except BaseException:  # the caller never gets the engine to shut it down
+            engine.shutdown()
+            raise
+        print(f"onpolicy engine warm-up: {w.batches} batches, {w.prompts} prompts, {w.tokens} "
+              f"tokens in {w.seconds:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return engine
 
 
 def sglang_origin() -> str:

@@ -38,6 +38,28 @@ def answer(engine, req: dict) -> dict:
     }
 
 
+def warm_up(engine, max_tokens: int, last: dict) -> dict:
+    """`rollout.warmup` on this engine: its limits and the prompts `launch` would run (counted),
+    a warm-up of up to `max_tokens` run, then the plan's last request answered again."""
+    from onpolicy.rollout.warmup import (
+        engine_prompts,
+        prefill_limits,
+        warm_up_engine,
+        warmup_prompts,
+    )
+
+    limits = prefill_limits(engine.get_server_info())
+    full = engine_prompts(engine)
+    config = engine.tokenizer_manager.model_config.hf_text_config
+    batches = warmup_prompts(config, max_tokens, seed=3, max_prompt=limits.max_prompt)
+    w = warm_up_engine(engine, batches)
+    return {"max_tokens": limits.max_tokens, "max_prompt": limits.max_prompt,
+            "launch_prompts": sum(map(len, full)), "launch_batches": len(full),
+            "batches": w.batches, "prompts": w.prompts, "tokens": w.tokens,
+            "sent": [[len(p) for p in b] for b in batches], "seconds": w.seconds,
+            "after": answer(engine, last)}  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> None:
     import sglang as sgl
     from onpolicy.rollout import exact_engine_args
@@ -50,11 +72,14 @@ def main(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     engine = sgl.Engine(**engine_args)
     started = time.monotonic() - t0
+    warm = {}
     try:
         answers = [answer(engine, r) for r in plan["requests"]]
+        if plan.get("warm_up_tokens"):
+            warm = warm_up(engine, plan["warm_up_tokens"], plan["requests"][-1])
     finally:
         engine.shutdown()
-    result = {"answers": answers, "start_seconds": started,
+    result = {"answers": answers, "start_seconds": started, "warm_up": warm,
               "seconds": time.monotonic() - t0, "sglang": sgl.__file__}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f)
