@@ -73,13 +73,17 @@ def same(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 @contextlib.contextmanager
-def forced(module, tile) -> Iterator[None]:
-    saved = module.FORCE
-    module.FORCE = tile
+def setting(module, **values) -> Iterator[None]:
+    """The module's attributes set to `values` for the block (a tile forced, a schedule
+    constant changed), restored after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        module.FORCE = saved
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def at_tile(tile: L.Tile, tma: bool, run: Callable[[], tuple]) -> tuple | None:
@@ -87,7 +91,7 @@ def at_tile(tile: L.Tile, tma: bool, run: Callable[[], tuple]) -> tuple | None:
     the tile does not compile (shared memory)."""
     L.TMA = tma
     try:
-        with forced(L, tile):
+        with setting(L, FORCE=tile):
             return run()
     except Exception as e:
         print(f"  {tile} tma={tma}: {type(e).__name__} {str(e)[:80]}")
@@ -225,16 +229,11 @@ def attention(dev: torch.device) -> None:
               "of the kernels alone (the batch's schedule derived before capture)")  # fmt: skip
         for split_below in (A.SPLIT_BELOW, 4 * A.SPLIT_BELOW):
             for tile in DECODE_TILES:
-                saved = A.SPLIT_BELOW
-                A.SPLIT_BELOW = split_below
-                try:
-                    with forced(A, tile):
-                        batch = K.PagedBatch(cu, table, lens)
-                        K.paged_attention(q, kp, vp, batch)
-                        g, out = captured(partial(K.paged_attention, q, kp, vp, batch))
-                        t = ms(g.replay)
-                finally:
-                    A.SPLIT_BELOW = saved
+                with setting(A, SPLIT_BELOW=split_below, FORCE=tile):
+                    batch = K.PagedBatch(cu, table, lens)
+                    K.paged_attention(q, kp, vp, batch)
+                    g, out = captured(partial(K.paged_attention, q, kp, vp, batch))
+                    t = ms(g.replay)
                 print(f"  {tile} split<{split_below}: {t * 1e3:.1f} us "
                       f"{nbytes / t / 1e9:.2f} TB/s = {nbytes / t * 1e3 / bw:.0%} of copy "
                       f"{same(out, ref)}")  # fmt: skip
@@ -259,20 +258,10 @@ def attention(dev: torch.device) -> None:
         print(f"prefill {seqs} x {n // seqs}: flash {base:.3f} ms; default "
               f"{A.tile_for(n * hq // hkv, seqs)}")  # fmt: skip
         for tile in PREFILL_TILES:
-            with forced(A, tile):
+            with setting(A, FORCE=tile):
                 out = K.attention(q, k, v, cu)
                 t = ms(lambda: K.attention(q, k, v, cu))  # noqa: B023
             print(f"  {tile}: {t:.3f} ms ratio {base / t:.2f} {same(out, ref)}")
-
-
-@contextlib.contextmanager
-def partition(keys: int) -> Iterator[None]:
-    saved = A.KV_PARTITION
-    A.KV_PARTITION = keys
-    try:
-        yield
-    finally:
-        A.KV_PARTITION = saved
 
 
 def partitions(dev: torch.device) -> None:
@@ -286,7 +275,7 @@ def partitions(dev: torch.device) -> None:
         q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
         cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
         for keys in (128, 256, 512):
-            with partition(keys):
+            with setting(A, KV_PARTITION=keys):
                 batch = K.PagedBatch(cu, table, lens)
                 K.paged_attention(q, kp, vp, batch)
                 g, _ = captured(partial(K.paged_attention, q, kp, vp, batch))
@@ -298,7 +287,7 @@ def partitions(dev: torch.device) -> None:
         v = torch.randn_like(k)
         cu = [i * n // seqs for i in range(seqs + 1)]
         for keys in (128, 256, 512):
-            with partition(keys):
+            with setting(A, KV_PARTITION=keys):
                 K.attention(q, k, v, cu)
                 t = ms(lambda: K.attention(q, k, v, cu))  # noqa: B023
             print(f"prefill {seqs} x {n // seqs}, partitions of {keys} keys: {t:.3f} ms")
@@ -329,7 +318,7 @@ def moe(dev: torch.device) -> None:
         x = torch.randn(m, h, device=dev, dtype=DTYPE)
         ref = K.moe(x, gate, wg, wu, wd, top)
         for tile in (L.tile_for(m * top, i, tma=False), *SORTED_MOE_TILES):
-            with forced(L, tile):
+            with setting(L, FORCE=tile):
                 out = K.moe(x, gate, wg, wu, wd, top)
                 g, y = captured(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
                 g.replay()
@@ -341,7 +330,7 @@ def moe(dev: torch.device) -> None:
         flop = 2 * m * top * 3 * h * i
         for tile in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                      (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)):  # fmt: skip
-            with forced(L, tile):
+            with setting(L, FORCE=tile):
                 out = K.moe(x, gate, wg, wu, wd, top)
                 t = ms(lambda: K.moe(x, gate, wg, wu, wd, top))  # noqa: B023
             print(f"moe M={m} tile {tile}: {t:.3f} ms {flop / t / 1e9:.0f} TFLOP/s "
