@@ -373,7 +373,6 @@ class _Plan(NamedTuple):
     sched: torch.Tensor
     pages: torch.Tensor
     max_keys: int
-    tile: Tile
 
 
 def _plan(batch: PagedBatch, t: int, g: int, page_size: int, tile: Tile, dev) -> _Plan | None:
@@ -391,7 +390,7 @@ def _plan(batch: PagedBatch, t: int, g: int, page_size: int, tile: Tile, dev) ->
         n_new = cu[1:] - cu[:-1]
         lens = kv_lens.to(torch.int64)
         sched = _schedule(cu[:-1], n_new, lens, torch.zeros_like(lens), g, t, dev, tile[0])
-        return _Plan(sched, pages, pages.shape[1] * page_size, tile)
+        return _Plan(sched, pages, pages.shape[1] * page_size)
     cu = _host_ints(cu_q)
     if len(cu) < 2:
         return None
@@ -413,7 +412,7 @@ def _plan(batch: PagedBatch, t: int, g: int, page_size: int, tile: Tile, dev) ->
         if w * page_size < kv:
             raise ValueError(f"paged_attention: request {i} has {kv} keys but {w} pages")
     sched = _schedule(cu[:-1], n_new, lens, [0] * len(lens), g, t, dev, tile[0])
-    return _Plan(sched, pages, max(lens, default=0), tile)
+    return _Plan(sched, pages, max(lens, default=0))
 
 
 def paged_attention(
@@ -443,4 +442,4 @@ def paged_attention(
     k_rows = k_pages.reshape(num_pages * page_size, hkv, d)
     v_rows = v_pages.reshape(num_pages * page_size, hkv, d)
     return _launch(_rows(q), k_rows, v_rows, plan.sched, plan.pages, page_size,
-                   _scale(q, scale), plan.max_keys, plan.tile)  # fmt: skip
+                   _scale(q, scale), plan.max_keys, tile)  # fmt: skip
