@@ -117,12 +117,14 @@ def warmup_prompts(model_config: Any, max_tokens: int, seed: int = 0, *, tp: int
     return [[prompt(k) for k in b] for b in lengths]
 
 
-def engine_prompts(engine, seed: int = 0) -> list[list[list[int]]]:
-    """`warmup_prompts` for a started `sglang.Engine`: its model config, TP and limits."""
+def engine_prompts(engine, seed: int = 0, max_tokens: int | None = None) -> list[list[list[int]]]:
+    """`warmup_prompts` for a started `sglang.Engine`: its model config, TP and limits;
+    `max_tokens` caps the largest batch below the engine's own (a short warm-up)."""
     info = engine.get_server_info()
     limits = prefill_limits(info)
     hf = engine.tokenizer_manager.model_config.hf_text_config
-    return warmup_prompts(hf, limits.max_tokens, seed, tp=int(info["tp_size"]),
+    top = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)
+    return warmup_prompts(hf, top, seed, tp=int(info["tp_size"]),
                           max_prompt=limits.max_prompt)  # fmt: skip
 
 

@@ -41,17 +41,11 @@ def answer(engine, req: dict) -> dict:
 def warm_up(engine, max_tokens: int, last: dict) -> dict:
     """`rollout.warmup` on this engine: its limits and the prompts `launch` would run (counted),
     a warm-up of up to `max_tokens` run, then the plan's last request answered again."""
-    from onpolicy.rollout.warmup import (
-        engine_prompts,
-        prefill_limits,
-        warm_up_engine,
-        warmup_prompts,
-    )
+    from onpolicy.rollout.warmup import engine_prompts, prefill_limits, warm_up_engine
 
     limits = prefill_limits(engine.get_server_info())
     full = engine_prompts(engine)
-    config = engine.tokenizer_manager.model_config.hf_text_config
-    batches = warmup_prompts(config, max_tokens, seed=3, max_prompt=limits.max_prompt)
+    batches = engine_prompts(engine, seed=3, max_tokens=max_tokens)
     w = warm_up_engine(engine, batches)
     return {"max_tokens": limits.max_tokens, "max_prompt": limits.max_prompt,
             "launch_prompts": sum(map(len, full)), "launch_batches": len(full),
