@@ -7,6 +7,8 @@ sync inside a capture fails it)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 from functools import partial
 
@@ -117,3 +119,39 @@ def test_expert_outputs_of_local_experts_capture_and_replay(tokens, local_set):
     torch.cuda.synchronize()
     assert_bitwise(out, eager, "replay")
     assert bool((eager[(ids < 4) | (ids >= 12)] == 0).all())  # non-local slots stay zero
+
+
+ROPE_REPLAY = """
+import sys, torch
+from onpolicy import kernels as K
+from onpolicy.bench.kernels import captured
+table = K.rope_table(128, 1e6, 64).cuda()
+q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(2, 4, 128, device="cuda", dtype=torch.bfloat16)
+w = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+pos = torch.tensor([3, 5], device="cuda")
+graph, _ = captured(lambda: K.qk_norm_rope(q, k, w, w, 1e-6, pos, table)[0])
+graph.replay()
+torch.cuda.synchronize()
+print("in range: replayed", flush=True)
+pos[1] = int(sys.argv[1])
+graph.replay()
+torch.cuda.synchronize()
+print("written: replayed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("position", [63, 64])
+def test_a_captured_rope_asserts_its_positions_on_the_device(position):
+    """A graph reads no positions on the host: the rope kernels assert them. A replay whose
+    buffer holds a position past the 64-row table fails with the rope's message (in a child:
+    a device assert ends its CUDA context); the control, the table's last row, replays."""
+    proc = subprocess.run([sys.executable, "-c", ROPE_REPLAY, str(position)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "in range: replayed" in proc.stdout, out[-3000:]
+    if position < 64:
+        assert proc.returncode == 0 and "written: replayed" in proc.stdout, out[-3000:]
+    else:
+        assert proc.returncode != 0 and "written: replayed" not in proc.stdout, out[-3000:]
+        assert "rope: a position is outside the table" in out, out[-3000:]

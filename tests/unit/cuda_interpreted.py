@@ -544,6 +544,49 @@ def qk_norm_rope_is_norm_then_rope() -> None:
         differ(other, fk, f"d {d} k with q's weight")
 
 
+@check
+def rope_positions_are_read_back_once_a_tensor() -> None:
+    """Positions outside the table are refused by both rope ops, naming them. A positions
+    tensor is read back once per version: the layers of a forward share it, so the second call
+    reads nothing, and an in-place write makes the next call read it again (and refuse it).
+    Control: a new tensor with the same values is read back."""
+    table = cpu_rope.rope_table(16, 1e6, 64)
+    x = randn(3, 2, 16, seed=3).to(torch.bfloat16)
+    w = randn(16, seed=4).to(torch.bfloat16)
+    for bad in ([0, 64, 1], [0, -1, 1]):
+        ops = {
+            "rope": lambda p: elementwise.rope(x, p, table),
+            "qk_norm_rope": lambda p: elementwise.qk_norm_rope(x, x, w, w, 1e-6, p, table),
+        }
+        for name, op in ops.items():
+            try:
+                op(torch.tensor(bad))
+            except ValueError as e:
+                assert f"positions {min(bad)}..{max(bad)}" in str(e) and "64" in str(e), str(e)
+            else:
+                raise AssertionError(f"{name} took positions {bad} with a 64-row table")
+    reads = []
+    aminmax = torch.aminmax
+    torch.aminmax = lambda t: reads.append(t) or aminmax(t)
+    try:
+        pos = torch.tensor([0, 9, 63])
+        first = elementwise.rope(x, pos, table)
+        assert_bitwise(elementwise.rope(x, pos, table), first, "the same positions again")
+        assert len(reads) == 1, f"{len(reads)} read-backs for one unchanged positions tensor"
+        elementwise.rope(x, pos.clone(), table)
+        assert len(reads) == 2, "a new positions tensor was not read back"
+        pos[1] = 64
+        try:
+            elementwise.rope(x, pos, table)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a position written past the table after a check was taken")
+        assert len(reads) == 3, f"{len(reads)} read-backs after an in-place write"
+    finally:
+        torch.aminmax = aminmax
+
+
 if __name__ == "__main__":
     for name, fn in CHECKS.items():
         try:

@@ -15,8 +15,9 @@ the baseline, ratio = baseline / ours (>= 1: ours is faster), and the goal it is
   0.050 ms, at M = 16384 at least 400 TFLOP/s (issue 14), other M reported only;
 - model: the reference Qwen3-MoE (all 48 layers unless --layers) prefill forward of one M-token
   sequence, and one decode forward of B requests at context 512 over the paged cache (random
-  cached keys, the new keys written in one index_put per layer, page tables and lengths as
-  device tensors, no sampling), exact vs the same model under `K.native_ops()` (lists); held
+  cached keys, the new keys and values written by one `index_copy_` each per layer (as
+  `PagedKVCache.store`), page tables and lengths as device tensors, no sampling), exact vs
+  the same model under `K.native_ops()` (lists); held
   to the 48-layer goals scaled to the layer count: decode at B = 1 <= 5 ms, at B = 64
   <= 20 ms, prefill of 4096 tokens <= 70 ms;
 - sampler: `models.sampling.sample_rows` over B rows of the vocabulary at T = 1 vs softmax and
@@ -544,7 +545,8 @@ def decode_step(model: Qwen3MoeReference, n: int, ctx: int, page_size: int,
     for r in reqs:
         cache.reserve(r, ctx)
     tables = [cache.page_table(r) for r in reqs]
-    new_page = torch.stack([t[(ctx - 1) // page_size] for t in tables])
+    slots = torch.stack([t[(ctx - 1) // page_size] for t in tables]) * page_size
+    slots = (slots + (ctx - 1) % page_size).to(device)
     cu, kv_lens = list(range(n + 1)), [ctx] * n
     on_device = (torch.tensor(cu, device=device), torch.stack(tables).to(device),
                  torch.tensor(kv_lens, device=device))  # fmt: skip
@@ -552,8 +554,7 @@ def decode_step(model: Qwen3MoeReference, n: int, ctx: int, page_size: int,
     positions = torch.full((n,), ctx - 1, device=device)
 
     def attend(batch: K.PagedBatch, layer: int, q, k, v):
-        cache.k[layer, new_page, (ctx - 1) % page_size] = k
-        cache.v[layer, new_page, (ctx - 1) % page_size] = v
+        cache.store(layer, slots, k, v)
         return K.paged_attention(q, cache.k[layer], cache.v[layer], batch)
 
     # A new batch each step, as an engine builds one each forward: its schedule is derived

@@ -361,6 +361,11 @@ class PagedKVCache:
     def write(self, layer: int, req: Request, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of positions start.. for `req` (before attention reads them)."""
         pos = torch.arange(start, start + k.shape[0], device=self.k.device)
-        pages = self.page_table(req)[pos // self.page_size]
-        self.k[layer, pages, pos % self.page_size] = k
-        self.v[layer, pages, pos % self.page_size] = v
+        self.store(layer, self.page_table(req)[pos // self.page_size] * self.page_size
+                   + pos % self.page_size, k, v)  # fmt: skip
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows of keys/values [n, Hkv, D] at the cache's flat slots (page * page_size +
+        offset), one copy kernel each (an index_put by page and offset launches several)."""
+        self.k[layer].view(-1, *self.k.shape[-2:]).index_copy_(0, slots, k)
+        self.v[layer].view(-1, *self.v.shape[-2:]).index_copy_(0, slots, v)

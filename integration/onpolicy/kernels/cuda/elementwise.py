@@ -14,6 +14,8 @@ width alone, so a row's bits never depend on how many rows there are or where it
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -112,12 +114,27 @@ def _rms_norm_exact(x, weight, eps, residual):
 
 
 @triton.jit
+def _table_row(pos_ptr, t, rows):
+    """Token t's row of the rope table: its position, asserted inside [0, rows) (the rope
+    kernels compile with device asserts: a captured graph's positions are never read on the
+    host) and clamped, so a failing program reads nothing outside the table."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    tl.device_assert((pos >= 0) & (pos < rows), "rope: a position is outside the table")
+    return tl.minimum(tl.maximum(pos, 0), rows - 1)
+
+
+ASSERTS = dict(debug=True, sanitize_overflow=False)
+"""Launch options of the rope kernels: device asserts compiled in, and only the kernels' own
+(not Triton's integer-overflow checks)."""
+
+
+@triton.jit
 def _rope_kernel(
-    x_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_xt, stride_xh, stride_table,
+    x_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_xt, stride_xh, stride_table, rows,
     HALF: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = _table_row(pos_ptr, t, rows)
     i = tl.arange(0, HALF)
     hh = tl.arange(0, HEADS)
     ok = (hh < heads)[:, None]
@@ -143,19 +160,38 @@ def rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch
 
 
 def _check_rope(d: int, positions: torch.Tensor, table: torch.Tensor) -> None:
-    """What the rope kernel needs: a table for head_dim d, d twice a power of 2, positions
-    inside the table (checked on the device while a CUDA graph is captured)."""
+    """What the rope kernels need: a table for head_dim d, d twice a power of 2, positions
+    inside the table (`_check_positions`)."""
     half = d // 2
     if table.shape[-1] != 2 * half or d % 2:
         raise ValueError(f"rope: table is for head_dim {table.shape[-1]}, x has {d}")
     if half & (half - 1):
         raise ValueError(f"rope: head_dim {d} must be twice a power of 2 on CUDA")
-    if positions.numel() and _capturing():  # no host read while a CUDA graph is captured
-        torch._assert_async(positions.max() < table.shape[0], "rope: position past the table")
-    elif positions.numel() and int(positions.max()) >= table.shape[0]:
-        raise ValueError(
-            f"rope: position {int(positions.max())} is past the table's {table.shape[0]} positions"
-        )
+    _check_positions(positions, table.shape[0])
+
+
+_CHECKED: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
+"""id(positions) -> (the tensor, (its version, the table's rows)) of the last range check."""
+
+
+def _check_positions(positions: torch.Tensor, rows: int) -> None:
+    """Every position in [0, rows), read back on the host once per positions tensor and
+    version: a forward's layers share one positions tensor, so an eager forward syncs once for
+    it, not once a layer. Inference tensors keep no version, so each call reads them back.
+    While a CUDA graph is captured nothing is read: the kernels assert it (`_table_row`)."""
+    if not positions.numel() or _capturing():
+        return
+    stamp = None if positions.is_inference() else (positions._version, rows)
+    seen = _CHECKED.get(id(positions))
+    if stamp is not None and seen is not None and seen[0]() is positions and seen[1] == stamp:
+        return
+    lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+    if lo < 0 or hi >= rows:
+        raise ValueError(f"rope: positions {lo}..{hi} are outside the table's {rows} positions")
+    if stamp is not None:
+        for key in [k for k, (ref, _) in _CHECKED.items() if ref() is None]:
+            del _CHECKED[key]
+        _CHECKED[id(positions)] = (weakref.ref(positions), stamp)
 
 
 def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -167,15 +203,15 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
     out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
     if t:
         _rope_kernel[(t,)](x, positions.to(x.device).contiguous(), table, out, heads,
-                           x.stride(0), x.stride(1), table.stride(0), HALF=half,
-                           HEADS=triton.next_power_of_2(heads))  # fmt: skip
+                           x.stride(0), x.stride(1), table.stride(0), table.shape[0], HALF=half,
+                           HEADS=triton.next_power_of_2(heads), **ASSERTS)  # fmt: skip
     return out
 
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_t, stride_h, stride_table, H, eps,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_t, stride_h, stride_table, rows, H,
+    eps, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """`_rms_norm_kernel`'s body on one head, its normed row stored to `out`; then, after a
     barrier, `_rope_kernel`'s rotation of the halves loaded back from `out`. The rotation's
@@ -192,7 +228,7 @@ def _norm_rope_kernel(
                                  out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
     tl.debug_barrier()
     i = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = _table_row(pos_ptr, t, rows)
     cos = tl.load(table_ptr + pos * stride_table + i)
     sin = tl.load(table_ptr + pos * stride_table + HALF + i)
     o1, o2 = _rotate(tl.load(out + i), tl.load(out + HALF + i), cos, sin)
@@ -236,7 +272,8 @@ def _qk_norm_rope_exact(q, k, q_weight, k_weight, eps, positions, table):
         if x.numel():
             _norm_rope_kernel[(t, x.shape[1])](
                 x, w.contiguous(), positions, table, out, x.shape[1], x.stride(0), x.stride(1),
-                table.stride(0), d, eps, HALF=d // 2, BLOCK=block, num_warps=warps,
+                table.stride(0), table.shape[0], d, eps, HALF=d // 2, BLOCK=block,
+                num_warps=warps, **ASSERTS,
             )  # fmt: skip
         outs.append(out)
     return outs[0], outs[1]
