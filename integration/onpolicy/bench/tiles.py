@@ -45,8 +45,8 @@ LARGE_GEMM_TILES: tuple[L.Tile, ...] = (
     (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
 )  # fmt: skip
 """Candidates above M = 512, each with and without TMA."""
-DECODE_TILES: tuple[A.Tile, ...] = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 3), (16, 8, 3),
-                                    (32, 4, 3), (64, 4, 2))  # fmt: skip
+DECODE_TILES: tuple[A.Tile, ...] = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 3), (16, 8, 2),
+                                    (16, 8, 3), (16, 8, 4), (32, 4, 3), (64, 4, 2))  # fmt: skip
 PREFILL_TILES: tuple[A.Tile, ...] = ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3),
                                      (128, 4, 2), (64, 8, 3))  # fmt: skip
 DECODE_GEMM_TILES: tuple[L.Tile, ...] = (
