@@ -114,27 +114,12 @@ def _rms_norm_exact(x, weight, eps, residual):
 
 
 @triton.jit
-def _table_row(pos_ptr, t, rows):
-    """Token t's row of the rope table: its position, asserted inside [0, rows) (the rope
-    kernels compile with device asserts: a captured graph's positions are never read on the
-    host) and clamped, so a failing program reads nothing outside the table."""
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    tl.device_assert((pos >= 0) & (pos < rows), "rope: a position is outside the table")
-    return tl.minimum(tl.maximum(pos, 0), rows - 1)
-
-
-ASSERTS = dict(debug=True, sanitize_overflow=False)
-"""Launch options of the rope kernels: device asserts compiled in, and only the kernels' own
-(not Triton's integer-overflow checks)."""
-
-
-@triton.jit
 def _rope_kernel(
-    x_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_xt, stride_xh, stride_table, rows,
+    x_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_xt, stride_xh, stride_table,
     HALF: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    pos = _table_row(pos_ptr, t, rows)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF)
     hh = tl.arange(0, HEADS)
     ok = (hh < heads)[:, None]
@@ -178,8 +163,12 @@ def _check_positions(positions: torch.Tensor, rows: int) -> None:
     """Every position in [0, rows), read back on the host once per positions tensor and
     version: a forward's layers share one positions tensor, so an eager forward syncs once for
     it, not once a layer. Inference tensors keep no version, so each call reads them back.
-    While a CUDA graph is captured nothing is read: the kernels assert it (`_table_row`)."""
-    if not positions.numel() or _capturing():
+    While a CUDA graph is captured nothing is read: each call puts a device-side assert of the
+    largest position in the graph."""
+    if not positions.numel():
+        return
+    if _capturing():
+        torch._assert_async(positions.max() < rows, "rope: a position is outside the table")
         return
     stamp = None if positions.is_inference() else (positions._version, rows)
     seen = _CHECKED.get(id(positions))
@@ -203,15 +192,15 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
     out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
     if t:
         _rope_kernel[(t,)](x, positions.to(x.device).contiguous(), table, out, heads,
-                           x.stride(0), x.stride(1), table.stride(0), table.shape[0], HALF=half,
-                           HEADS=triton.next_power_of_2(heads), **ASSERTS)  # fmt: skip
+                           x.stride(0), x.stride(1), table.stride(0), HALF=half,
+                           HEADS=triton.next_power_of_2(heads))  # fmt: skip
     return out
 
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_t, stride_h, stride_table, rows, H,
-    eps, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_t, stride_h, stride_table, H, eps,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """`_rms_norm_kernel`'s body on one head, its normed row stored to `out`; then, after a
     barrier, `_rope_kernel`'s rotation of the halves loaded back from `out`. The rotation's
@@ -228,7 +217,7 @@ def _norm_rope_kernel(
                                  out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
     tl.debug_barrier()
     i = tl.arange(0, HALF)
-    pos = _table_row(pos_ptr, t, rows)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(table_ptr + pos * stride_table + i)
     sin = tl.load(table_ptr + pos * stride_table + HALF + i)
     o1, o2 = _rotate(tl.load(out + i), tl.load(out + HALF + i), cos, sin)
@@ -272,8 +261,7 @@ def _qk_norm_rope_exact(q, k, q_weight, k_weight, eps, positions, table):
         if x.numel():
             _norm_rope_kernel[(t, x.shape[1])](
                 x, w.contiguous(), positions, table, out, x.shape[1], x.stride(0), x.stride(1),
-                table.stride(0), table.shape[0], d, eps, HALF=d // 2, BLOCK=block,
-                num_warps=warps, **ASSERTS,
+                table.stride(0), d, eps, HALF=d // 2, BLOCK=block, num_warps=warps,
             )  # fmt: skip
         outs.append(out)
     return outs[0], outs[1]
