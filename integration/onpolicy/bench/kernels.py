@@ -545,8 +545,7 @@ def decode_step(model: Qwen3MoeReference, n: int, ctx: int, page_size: int,
     for r in reqs:
         cache.reserve(r, ctx)
     tables = [cache.page_table(r) for r in reqs]
-    slots = torch.stack([t[(ctx - 1) // page_size] for t in tables]) * page_size
-    slots = (slots + (ctx - 1) % page_size).to(device)
+    slots = torch.cat([cache.slots(r, ctx - 1, 1) for r in reqs])
     cu, kv_lens = list(range(n + 1)), [ctx] * n
     on_device = (torch.tensor(cu, device=device), torch.stack(tables).to(device),
                  torch.tensor(kv_lens, device=device))  # fmt: skip

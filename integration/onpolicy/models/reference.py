@@ -360,9 +360,12 @@ class PagedKVCache:
 
     def write(self, layer: int, req: Request, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of positions start.. for `req` (before attention reads them)."""
-        pos = torch.arange(start, start + k.shape[0], device=self.k.device)
-        self.store(layer, self.page_table(req)[pos // self.page_size] * self.page_size
-                   + pos % self.page_size, k, v)  # fmt: skip
+        self.store(layer, self.slots(req, start, k.shape[0]), k, v)
+
+    def slots(self, req: Request, start: int, n: int) -> torch.Tensor:
+        """The flat cache slots (page * page_size + offset) of `req`'s positions start..+n."""
+        pos = torch.arange(start, start + n, device=self.k.device)
+        return self.page_table(req)[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows of keys/values [n, Hkv, D] at the cache's flat slots (page * page_size +
