@@ -114,13 +114,15 @@ ATTENTION_TILES = [A.DECODE, A.DECODE_FEW, A.PREFILL, (16, 2, 3), (32, 4, 3), (6
                    (128, 4, 2)]  # fmt: skip
 
 
-def _attention_at(tile: A.Tile | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_at(
+    tile: A.Tile | None, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One packed prefill and one paged decode of Qwen3-30B-A3B's heads, every launch at `tile`
     (None: the tiles the shapes pick)."""
     n = 1100
-    q = wide(n, 32, 128, seed=6, dtype=torch.bfloat16, spread=2, device="cuda")
-    k = wide(n, 4, 128, seed=7, dtype=torch.bfloat16, spread=2, device="cuda")
-    v = wide(n, 4, 128, seed=8, dtype=torch.bfloat16, spread=2, device="cuda")
+    q = wide(n, 32, 128, seed=6, dtype=dtype, spread=2, device="cuda")
+    k = wide(n, 4, 128, seed=7, dtype=dtype, spread=2, device="cuda")
+    v = wide(n, 4, 128, seed=8, dtype=dtype, spread=2, device="cuda")
     dec_q = q[[699, n - 1]]
     kp, vp = k.view(n, 1, 4, 128), v.view(n, 1, 4, 128)
     table = torch.stack([torch.arange(n, device="cuda")] * 2)
@@ -164,6 +166,21 @@ def test_negative_control_a_tl_sum_denominator_moves_with_the_tile():
         A.PLAIN_DENOMINATOR = False
     print(f"tl.sum denominator: tiles whose bits moved (tile, elements): {moved}")
     assert moved, "no tile moved the tl.sum denominator's bits: the tile test cannot fail"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unmasked_blocks_give_the_masked_bits(dtype):
+    """The key blocks before a tile's first row skip the causal masks; the masked body on every
+    block (`MASK_EVERY_BLOCK`) gives the same bits, prefill and decode. Control: the tile
+    test's negative control shows the harness sees a moved bit."""
+    ref, dec_ref = _attention_at(None, dtype)
+    A.MASK_EVERY_BLOCK = True
+    try:
+        got, dec = _attention_at(None, dtype)
+    finally:
+        A.MASK_EVERY_BLOCK = False
+    assert_bitwise(got, ref, "prefill")
+    assert_bitwise(dec, dec_ref, "decode")
 
 
 @pytest.fixture

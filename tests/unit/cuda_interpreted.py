@@ -343,6 +343,47 @@ def packed_sequences_do_not_see_each_other() -> None:
     differ(merged[5:75], alone, "one sequence over the first 75 tokens")
 
 
+@check
+def unmasked_blocks_give_the_masked_bits() -> None:
+    """Blocks wholly before a tile's first row skip the causal masks: every launch (packed
+    prefill of three sequences, fused and split, at two tiles; decode over pages) gives the
+    bits of the masked body run on every block (`MASK_EVERY_BLOCK`). Control: one key of an
+    unmasked block changed moves the output."""
+    q, k, v = wide(300, 4, 16, seed=7), randn(300, 2, 16, seed=70), randn(300, 2, 16, seed=71)
+    cu = [0, 130, 135, 300]
+    page = 16
+    table = torch.randperm(20, generator=torch.Generator().manual_seed(72))[: -(-300 // page)]
+    kp = torch.full((20, page, 2, 16), float("nan"))
+    vp = torch.full((20, page, 2, 16), float("nan"))
+    pos = torch.arange(300)
+    kp[table[pos // page], pos % page], vp[table[pos // page], pos % page] = k, v
+
+    def launches():
+        out = []
+        for tile in ((16, 4, 2), (64, 4, 2)):
+            for split_below in (0, 1 << 30):
+                attention.FORCE, attention.SPLIT_BELOW = tile, split_below
+                out.append(attention.attention(q, k, v, cu))
+                batch = PagedBatch([0, 1, 31], [table, table], [170, 300])
+                out.append(attention.paged_attention(q[[169, *range(270, 300)]], kp, vp, batch))
+        return out
+
+    saved = attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION
+    try:
+        attention.KV_PARTITION = 128
+        fast = launches()
+        attention.MASK_EVERY_BLOCK = True
+        masked = launches()
+        for i, (a, b) in enumerate(zip(fast, masked, strict=True)):
+            assert_bitwise(a, b, f"launch {i}")
+        attention.MASK_EVERY_BLOCK = False
+        k[140, 0, 3] += 1.0
+        differ(launches()[0][135:300], fast[0][135:300], "key 140 changed")
+    finally:
+        attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION = saved
+        attention.MASK_EVERY_BLOCK = False
+
+
 def swiglu_ref(x, ids, wg, wu, wd):
     """(out [T, k, H], bound) in float64 for each (token, slot)'s expert, x fp32.
     gate, up: dot bounds Bg, Bu. h = silu(g) up in fp32 (exp, +1, /, *): with |silu'| <= 1.1

@@ -74,7 +74,7 @@ def compile_attention(dtype: str, tile: tuple[int, int, int], split: bool,
                           "stride_oh"), "i32")  # fmt: skip
     const = {"G": group, "D": head_dim, "BM": bm, "BN": KV_BLOCK,
              "LOG_BN": KV_BLOCK.bit_length() - 1, "P": A.KV_PARTITION, "SPLIT": split,
-             "IEEE": dtype == "fp32", "PLAIN": False}  # fmt: skip
+             "IEEE": dtype == "fp32", "PLAIN": False, "MASK_ALL": False}  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
     return _compile(A._attn_kernel, sig, const, options)
 

@@ -293,6 +293,40 @@ def partitions(dev: torch.device) -> None:
             print(f"prefill {seqs} x {n // seqs}, partitions of {keys} keys: {t:.3f} ms")
 
 
+def masks(dev: torch.device) -> None:
+    """The causal masks on every key block (`MASK_EVERY_BLOCK`, the body before the blocks
+    before a tile's first row dropped them) against the default: packed prefill, and decode as
+    a graph of the kernels alone; the bits must be the same."""
+    hq, hkv, d, ps, ctx = 32, 4, 128, 16, 4096
+    for n, seqs in ((4096, 1), (16384, 4)):
+        q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
+        k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
+        v = torch.randn_like(k)
+        cu = [i * n // seqs for i in range(seqs + 1)]
+        ref = K.attention(q, k, v, cu)
+        for every in (True, False):
+            with setting(A, MASK_EVERY_BLOCK=every):
+                out = K.attention(q, k, v, cu)
+                t = ms(lambda: K.attention(q, k, v, cu))  # noqa: B023
+            print(f"prefill {seqs} x {n // seqs}, masks on every block {every}: {t:.3f} ms "
+                  f"{same(out, ref)}")  # fmt: skip
+    for b in (1, 64):
+        kp = torch.randn(b * ctx // ps, ps, hkv, d, device=dev, dtype=DTYPE)
+        vp = torch.randn_like(kp)
+        table = torch.randperm(b * ctx // ps, device=dev).view(b, ctx // ps)
+        q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
+        cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
+        ref = K.paged_attention(q, kp, vp, K.PagedBatch(cu, table, lens))
+        for every in (True, False):
+            with setting(A, MASK_EVERY_BLOCK=every):
+                batch = K.PagedBatch(cu, table, lens)
+                K.paged_attention(q, kp, vp, batch)
+                g, out = captured(partial(K.paged_attention, q, kp, vp, batch))
+                t = ms(g.replay)
+            print(f"decode B={b} ctx={ctx}, masks on every block {every}: {t * 1e3:.1f} us "
+                  f"{same(out, ref)}")  # fmt: skip
+
+
 def moe(dev: torch.device) -> None:
     e, h, i, top = 128, 2048, 768, 8
     gate = torch.randn(e, h, device=dev, dtype=DTYPE) * h**-0.5
@@ -376,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     families = {"gemm": gemm, "decode_gemm": decode_gemm, "dispatch": dispatch,
-                "attention": attention, "partitions": partitions, "moe": moe,
+                "attention": attention, "partitions": partitions, "masks": masks, "moe": moe,
                 "decode_step": partial(decode_steps, layers=args.layers)}  # fmt: skip
     for name in args.only.split(","):
         families[name](dev)

@@ -63,6 +63,9 @@ FORCE: Tile | None = None
 PLAIN_DENOMINATOR = False
 """Test-only: the denominator by `tl.sum` instead of the column tree, the negative control of
 the tile tests (its order follows the threads' layout, so the tile moves its bits)."""
+MASK_EVERY_BLOCK = False
+"""Test and bench only: every key block through the masked body, as before the blocks before
+a tile's first row dropped the masks (the bits must not change; the bench times both)."""
 
 
 def tile_for(rows: int, requests: int) -> Tile:
@@ -116,28 +119,57 @@ def _columns_tree(v, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr):
 
 
 @triton.jit
-def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
-               q_pos, row_ok, lo0, hi, kvh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
-               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr,
-               IEEE: tl.constexpr, PLAIN: tl.constexpr):  # fmt: skip
-    """The state (m, l, acc) of keys [lo0, hi) for each row, from (-inf, 0, 0)."""
+def _block(
+    q,
+    k_ptr,
+    v_ptr,
+    pages_ptr,
+    req,
+    stride_pages,
+    page_size,
+    kv_base,
+    kv_len,
+    q_pos,
+    row_ok,
+    lo,
+    kvh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    scale,
+    m,
+    lcol,
+    acc,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    IEEE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """One KV_BLOCK of keys from `lo` folded into (m, lcol, acc). MASK off: every key of the
+    block is at or before every row's position, so the masks would keep every value and the
+    same expressions give the same bits without them."""
     d = tl.arange(0, D)
-    m = tl.full((BM,), float("-inf"), tl.float32)
-    lcol = tl.zeros((BM, BN), tl.float32)  # the denominator, per key column of the block
-    acc = tl.zeros((BM, D), tl.float32)
-    for lo in range(lo0, hi, BN):
-        kp = lo + tl.arange(0, BN)
-        kp_ok = kp < kv_len
+    kp = lo + tl.arange(0, BN)
+    kp_ok = kp < kv_len
+    if MASK:
         page = tl.load(pages_ptr + req * stride_pages + kp // page_size, mask=kp_ok, other=0)
-        row = (kv_base + page.to(tl.int64) * page_size + kp % page_size).to(tl.int64)
-        kt = tl.load(k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None],
-                     mask=kp_ok[None, :], other=0.0)  # fmt: skip
-        vb = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                     mask=kp_ok[:, None], other=0.0)  # fmt: skip
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, kt) * scale
+    else:
+        page = tl.load(pages_ptr + req * stride_pages + kp // page_size)
+    row = (kv_base + page.to(tl.int64) * page_size + kp % page_size).to(tl.int64)
+    k_at = k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None]
+    v_at = v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :]
+    if MASK:
+        kt = tl.load(k_at, mask=kp_ok[None, :], other=0.0)
+        vb = tl.load(v_at, mask=kp_ok[:, None], other=0.0)
+    else:
+        kt = tl.load(k_at)
+        vb = tl.load(v_at)
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, kt) * scale
+    if MASK:
         valid = (kp[None, :] <= q_pos[:, None]) & row_ok[:, None]
         s = tl.where(valid, s, float("-inf"))
         live = (q_pos >= lo) & row_ok
@@ -145,14 +177,47 @@ def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base
         m_use = tl.where(live, m_new, 0.0)
         alpha = tl.exp(m - m_use)
         p = tl.where(valid, tl.exp(s - m_use[:, None]), 0.0)
-        lcol_new = lcol * alpha[:, None] + p
-        if IEEE:
-            acc_new = tl.dot(p, vb, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc_new = tl.dot(p.to(vb.dtype), vb, acc * alpha[:, None])
-        m = tl.where(live, m_new, m)
-        lcol = tl.where(live[:, None], lcol_new, lcol)
-        acc = tl.where(live[:, None], acc_new, acc)
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+    lcol_new = lcol * alpha[:, None] + p
+    if IEEE:
+        acc_new = tl.dot(p, vb, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc_new = tl.dot(p.to(vb.dtype), vb, acc * alpha[:, None])
+    if MASK:
+        return (tl.where(live, m_new, m), tl.where(live[:, None], lcol_new, lcol),
+                tl.where(live[:, None], acc_new, acc))  # fmt: skip
+    return m_new, lcol_new, acc_new
+
+
+@triton.jit
+def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
+               q_pos, row_ok, first_pos, lo0, hi, kvh, stride_kt, stride_kh, stride_vt,
+               stride_vh, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               LOG_BN: tl.constexpr, IEEE: tl.constexpr, PLAIN: tl.constexpr,
+               MASK_ALL: tl.constexpr):  # fmt: skip
+    """The state (m, l, acc) of keys [lo0, hi) for each row, from (-inf, 0, 0). The blocks
+    that end at or before the tile's first row (`first_pos`, the smallest position) need no
+    mask; the causal edge's blocks (one or two in prefill, the last in decode) do."""
+    m = tl.full((BM,), float("-inf"), tl.float32)
+    lcol = tl.zeros((BM, BN), tl.float32)  # the denominator, per key column of the block
+    acc = tl.zeros((BM, D), tl.float32)
+    if MASK_ALL:  # test and bench only: the masked body everywhere, the same bits
+        mid = lo0
+    else:
+        mid = tl.minimum(lo0 + tl.maximum(first_pos + 1 - lo0, 0) // BN * BN, hi)
+    for lo in range(lo0, mid, BN):
+        m, lcol, acc = _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size,
+                              kv_base, kv_len, q_pos, row_ok, lo, kvh, stride_kt, stride_kh,
+                              stride_vt, stride_vh, scale, m, lcol, acc, D, BN, IEEE,
+                              False)  # fmt: skip
+    for lo in range(mid, hi, BN):
+        m, lcol, acc = _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size,
+                              kv_base, kv_len, q_pos, row_ok, lo, kvh, stride_kt, stride_kh,
+                              stride_vt, stride_vh, scale, m, lcol, acc, D, BN, IEEE,
+                              True)  # fmt: skip
     if PLAIN:  # the test-only control: an order the layout picks
         return m, tl.sum(lcol, 1), acc
     return m, _columns_tree(lcol, BM, BN, LOG_BN), acc
@@ -164,7 +229,7 @@ def _attn_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     LOG_BN: tl.constexpr, P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PLAIN: tl.constexpr,
+    PLAIN: tl.constexpr, MASK_ALL: tl.constexpr,
 ):  # fmt: skip
     pid, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     req = tl.load(sched_ptr + pid)  # the schedule: 6 rows of n_tiles int64 (see _schedule)
@@ -182,6 +247,7 @@ def _attn_kernel(
     d = tl.arange(0, D)
     q_rows = (q0 + tok).to(tl.int64) * stride_qt + (kvh * G + head) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    first_pos = kv_len - n_new + f0 // G
     last_tok = tl.minimum((f0 + BM - 1) // G, n_new - 1)
     hi = kv_len - n_new + last_tok + 1
     if SPLIT:  # this program's partition only; its state goes to the workspace
@@ -190,8 +256,8 @@ def _attn_kernel(
             return
         m, denom, acc = _partition(
             q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
-            row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh, stride_vt,
-            stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN,
+            row_ok, first_pos, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
+            stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN, MASK_ALL,
         )  # fmt: skip
         at = ((pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + part).to(tl.int64)
         st = ws_ptr + at * BM * (D + 2)
@@ -210,8 +276,8 @@ def _attn_kernel(
         for lo0 in range(0, hi, P):
             m_p, denom_p, acc_p = _partition(
                 q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
-                q_pos, row_ok, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
-                stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN,
+                q_pos, row_ok, first_pos, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt,
+                stride_kh, stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN, MASK_ALL,
             )  # fmt: skip
             m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
             sees = q_pos >= lo0
@@ -316,7 +382,7 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
         scale, BN=KV_BLOCK, LOG_BN=KV_BLOCK.bit_length() - 1, P=KV_PARTITION, SPLIT=split,
-        IEEE=q.dtype == torch.float32, PLAIN=PLAIN_DENOMINATOR,
+        IEEE=q.dtype == torch.float32, PLAIN=PLAIN_DENOMINATOR, MASK_ALL=MASK_EVERY_BLOCK,
         num_stages=stages, **common,
     )  # fmt: skip
     if split:
