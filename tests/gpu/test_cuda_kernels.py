@@ -170,15 +170,17 @@ def test_negative_control_a_tl_sum_denominator_moves_with_the_tile():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unmasked_blocks_give_the_masked_bits(dtype):
-    """The key blocks before a tile's first row skip the causal masks; the masked body on every
-    block (`MASK_EVERY_BLOCK`) gives the same bits, prefill and decode. Control: the tile
-    test's negative control shows the harness sees a moved bit."""
-    ref, dec_ref = _attention_at(None, dtype)
-    A.MASK_EVERY_BLOCK = True
+    """The key blocks before a tile's first row skip the causal masks (forced on in fp32,
+    whose launches mask every block by default); the masked body on every block gives the same
+    bits, prefill and decode. Control: the tile test's negative control shows the harness
+    sees a moved bit."""
     try:
+        A.MASK_EVERY_BLOCK = False
+        ref, dec_ref = _attention_at(None, dtype)
+        A.MASK_EVERY_BLOCK = True
         got, dec = _attention_at(None, dtype)
     finally:
-        A.MASK_EVERY_BLOCK = False
+        A.MASK_EVERY_BLOCK = None
     assert_bitwise(got, ref, "prefill")
     assert_bitwise(dec, dec_ref, "decode")
 

@@ -21,15 +21,18 @@ def test_the_gemm_compiles_for_sm90_without_a_gpu():
 
 
 def test_attention_compiles_for_sm90_without_a_gpu():
-    """Attention's kernel at the decode tile, split, in both dtypes: fp32's FMA chains are the
-    larger code."""
+    """Attention's kernel at the decode tile, split, in both dtypes: with one body (the masked
+    one on every block) fp32's FMA chains are the larger code; a bf16 launch also compiles the
+    unmasked body, an fp32 launch does not."""
     from onpolicy.bench.compile import compile_attention
     from onpolicy.kernels.cuda import attention as A
 
-    bf16 = compile_attention("bf16", A.DECODE, True)
-    fp32 = compile_attention("fp32", A.DECODE, True)
+    bf16 = compile_attention("bf16", A.DECODE, True, mask_all=True)
+    fp32 = compile_attention("fp32", A.DECODE, True, mask_all=True)
     assert bf16[0] > 0 and fp32[0] > 0, (bf16, fp32)
     assert fp32[1] > 2 * bf16[1] > 0, (bf16, fp32)
+    assert compile_attention("bf16", A.DECODE, True)[1] > bf16[1]
+    assert compile_attention("fp32", A.DECODE, True)[1] == fp32[1]
 
 
 def _launch_tiles():

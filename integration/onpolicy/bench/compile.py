@@ -57,10 +57,17 @@ def compile_variant(dtype: str, tile: tuple[int, int, int, int, int], segments: 
     return _compile(L._mm_kernel, sig, const, {"num_warps": warps, "num_stages": stages})
 
 
-def compile_attention(dtype: str, tile: tuple[int, int, int], split: bool,
-                      group: int = 8, head_dim: int = 128) -> tuple[float, int]:  # fmt: skip
+def compile_attention(
+    dtype: str,
+    tile: tuple[int, int, int],
+    split: bool,
+    group: int = 8,
+    head_dim: int = 128,
+    mask_all: bool | None = None,
+) -> tuple[float, int]:
     """(seconds, PTX characters) of one compile of `attention._attn_kernel` at `tile` (rows,
-    warps, stages) for sm_90 into an empty cache; Qwen3-30B-A3B's GQA group and head_dim."""
+    warps, stages) for sm_90 into an empty cache; Qwen3-30B-A3B's GQA group and head_dim;
+    `mask_all` as `attention.MASK_EVERY_BLOCK` (None: what a launch of `dtype` compiles)."""
     from onpolicy.kernels.cuda import attention as A
     from onpolicy.kernels.rules import KV_BLOCK
 
@@ -74,7 +81,8 @@ def compile_attention(dtype: str, tile: tuple[int, int, int], split: bool,
                           "stride_oh"), "i32")  # fmt: skip
     const = {"G": group, "D": head_dim, "BM": bm, "BN": KV_BLOCK,
              "LOG_BN": KV_BLOCK.bit_length() - 1, "P": A.KV_PARTITION, "SPLIT": split,
-             "IEEE": dtype == "fp32", "PLAIN": False, "MASK_ALL": False}  # fmt: skip
+             "IEEE": dtype == "fp32", "PLAIN": False,
+             "MASK_ALL": dtype == "fp32" if mask_all is None else mask_all}  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
     return _compile(A._attn_kernel, sig, const, options)
 

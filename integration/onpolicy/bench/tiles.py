@@ -304,11 +304,11 @@ def masks(dev: torch.device) -> None:
         v = torch.randn_like(k)
         cu = [i * n // seqs for i in range(seqs + 1)]
         ref = K.attention(q, k, v, cu)
-        for every in (True, False):
+        for every in (True, None):
             with setting(A, MASK_EVERY_BLOCK=every):
                 out = K.attention(q, k, v, cu)
                 t = ms(lambda: K.attention(q, k, v, cu))  # noqa: B023
-            print(f"prefill {seqs} x {n // seqs}, masks on every block {every}: {t:.3f} ms "
+            print(f"prefill {seqs} x {n // seqs}, masks on every block {bool(every)}: {t:.3f} ms "
                   f"{same(out, ref)}")  # fmt: skip
     for b in (1, 64):
         kp = torch.randn(b * ctx // ps, ps, hkv, d, device=dev, dtype=DTYPE)
@@ -317,13 +317,13 @@ def masks(dev: torch.device) -> None:
         q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
         cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
         ref = K.paged_attention(q, kp, vp, K.PagedBatch(cu, table, lens))
-        for every in (True, False):
+        for every in (True, None):
             with setting(A, MASK_EVERY_BLOCK=every):
                 batch = K.PagedBatch(cu, table, lens)
                 K.paged_attention(q, kp, vp, batch)
                 g, out = captured(partial(K.paged_attention, q, kp, vp, batch))
                 t = ms(g.replay)
-            print(f"decode B={b} ctx={ctx}, masks on every block {every}: {t * 1e3:.1f} us "
+            print(f"decode B={b} ctx={ctx}, masks on every block {bool(every)}: {t * 1e3:.1f} us "
                   f"{same(out, ref)}")  # fmt: skip
 
 

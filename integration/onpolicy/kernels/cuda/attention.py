@@ -63,9 +63,10 @@ FORCE: Tile | None = None
 PLAIN_DENOMINATOR = False
 """Test-only: the denominator by `tl.sum` instead of the column tree, the negative control of
 the tile tests (its order follows the threads' layout, so the tile moves its bits)."""
-MASK_EVERY_BLOCK = False
-"""Test and bench only: every key block through the masked body, as before the blocks before
-a tile's first row dropped the masks (the bits must not change; the bench times both)."""
+MASK_EVERY_BLOCK: bool | None = None
+"""Which key blocks take the masked body. None: fp32 launches every block (fp32 runs are the
+GPU tests', and a second body doubles their compile time), others only the causal edge's.
+True or False forces one for every dtype (tests and bench: the bits must not change)."""
 
 
 def tile_for(rows: int, requests: int) -> Tile:
@@ -376,13 +377,15 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
     split = split_for(n_tiles, hkv, max_keys)
     ws = (torch.empty(n_tiles * hkv * parts * bm * (d + 2), dtype=torch.float32,
                       device=q.device) if split else out)  # fmt: skip
+    fp32 = q.dtype == torch.float32
+    mask_all = fp32 if MASK_EVERY_BLOCK is None else MASK_EVERY_BLOCK
     common = dict(G=g, D=d, BM=bm, num_warps=warps, enable_fp_fusion=False)
     _attn_kernel[(n_tiles, hkv, parts if split else 1)](
         q, k_rows, v_rows, out, ws, sched, n_tiles, pages, pages.stride(0), page_size,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
         scale, BN=KV_BLOCK, LOG_BN=KV_BLOCK.bit_length() - 1, P=KV_PARTITION, SPLIT=split,
-        IEEE=q.dtype == torch.float32, PLAIN=PLAIN_DENOMINATOR, MASK_ALL=MASK_EVERY_BLOCK,
+        IEEE=fp32, PLAIN=PLAIN_DENOMINATOR, MASK_ALL=mask_all,
         num_stages=stages, **common,
     )  # fmt: skip
     if split:
