@@ -28,7 +28,7 @@ def cases() -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("name", ["gqa2", "qwen3-30b-heads", "trainer"])
+@pytest.mark.parametrize("name", ["gqa2", "qwen3-30b-heads", "trainer", "fp32"])
 def test_the_warm_up_covers_random_batches(cases, name):
     case = cases[name]
     assert case["warm"] > 0 and case["later"] > 0, case

@@ -111,18 +111,22 @@ CASES = {
                              num_experts_per_tok=8), 2600),
     "trainer": (dict(num_attention_heads=32, num_key_value_heads=4, num_experts=16,
                      num_experts_per_tok=8), 1500, 2),
+    "fp32": (dict(num_attention_heads=32, num_key_value_heads=4, num_experts=16,
+                  num_experts_per_tok=8), 1500, 2, torch.float32),
 }  # fmt: skip
-"""name -> (the tiny model's head and expert counts, max tokens[, shortest sequence]). The
-second has Qwen3-30B-A3B's heads and top-8, and a max past the last token count whose prefill
-splits its partitions; the third scores sequences of 2 tokens or more, as a trainer does."""
+"""name -> (the tiny model's head and expert counts, max tokens[, shortest sequence[, dtype]]).
+The second has Qwen3-30B-A3B's heads and top-8, and a max past the last token count whose
+prefill splits its partitions; the third scores sequences of 2 tokens or more, as a trainer
+does; the fourth is the third in fp32 (attention's fp32 tile)."""
 
 
-def case(dims: dict, max_tokens: int, min_len: int = 1) -> dict:
+def case(dims: dict, max_tokens: int, min_len: int = 1, dtype=torch.bfloat16) -> dict:
     cfg = tiny(hidden_size=64, head_dim=16, moe_intermediate_size=32, vocab_size=128,
                num_hidden_layers=1, **dims)  # fmt: skip
-    model = Qwen3MoeReference.random(cfg, dtype=torch.bfloat16)
+    model = Qwen3MoeReference.random(cfg, dtype=dtype)
     g, hkv = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads
-    batches = warmup_batches(max_tokens, cfg.num_experts_per_tok, g, hkv, min_len)
+    batches = warmup_batches(max_tokens, cfg.num_experts_per_tok, g, hkv, min_len,
+                             fp32=dtype == torch.float32)  # fmt: skip
     linear._mm_kernel.kwargs["do_not_specialize"] = ["M"]
     warm = keys_of(model, batches)
     later = keys_of(model, later_batches(random.Random(0), max_tokens, min_len))

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     from onpolicy.kernels.cuda import attention as A
 
     attn = []
-    for name, tile in (("DECODE", A.DECODE), ("DECODE_FEW", A.DECODE_FEW), ("PREFILL", A.PREFILL)):
+    for name, tile in (("DECODE", A.DECODE), ("DECODE_FEW", A.DECODE_FEW), ("PREFILL", A.PREFILL),
+                       ("FP32", A.FP32)):  # fmt: skip
         for split in (False, True):
             (tb, pb), (tf, pf) = (compile_attention(dt, tile, split) for dt in ("bf16", "fp32"))
             attn.append(f"| {name} {tile} | {'split' if split else 'fused'} | {tb:.2f} | "
@@ -163,8 +164,10 @@ def main(argv: list[str] | None = None) -> None:
         "bits do not depend on the tile).", "",
         "Attention (`attention._attn_kernel`, Qwen3-30B-A3B's heads: 8 query heads a KV head, "
         "head_dim 128), each tile `tile_for` picks, fused and split; tile = (rows, warps, "
-        "stages). Its fp32 dots are FMA chains too, over head_dim and over each 64-key block, "
-        "and unlike the GEMM no launch choice caps them: the smallest tile has 16 rows.", "",
+        "stages). Its fp32 dots are FMA chains too, over head_dim and over each 64-key block; "
+        "every fp32 launch runs the FP32 tile (the other rows' fp32 columns are what a forced "
+        "tile compiles). A bf16 launch compiles two bodies (the key blocks before a tile's "
+        "first row unmasked), an fp32 launch the masked one.", "",
         "| tile | schedule | bf16 s | bf16 PTX KiB | fp32 s | fp32 PTX KiB |",
         "|---|---|---|---|---|---|", *attn,
     ])  # fmt: skip

@@ -300,7 +300,7 @@ class TrainerActor:
         g = c.num_attention_heads // c.num_key_value_heads
         batches = warmup_batches(self.spec.micro_batch_tokens, c.num_experts_per_tok, g,
                                  max(c.num_key_value_heads // tp, 1), min_len=2,
-                                 scales=(1, tp))  # fmt: skip
+                                 scales=(1, tp), fp32=self.dtype == torch.float32)  # fmt: skip
         modes = [chunk.training for chunk in self.chunks]
         cuda = self.spec.device == "cuda"
 

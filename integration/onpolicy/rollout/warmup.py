@@ -86,10 +86,12 @@ def _fit(lengths: list[int], longest: int) -> list[int]:
 
 
 def warmup_prompts(model_config: Any, max_tokens: int, seed: int = 0, *, tp: int = 1,
-                   max_prompt: int | None = None) -> list[list[list[int]]]:  # fmt: skip
+                   max_prompt: int | None = None,
+                   fp32: bool = False) -> list[list[list[int]]]:  # fmt: skip
     """The warm-up's generate batches, each a list of prompts (token ids): the lengths of
     `warmup_batches(max_tokens, ...)` for the config's MoE top-k and attention heads per rank at
-    TP `tp`, no prompt longer than `max_prompt` (default `max_tokens`). Ids are seeded and
+    TP `tp` and the model's dtype (`fp32`: attention's fp32 tile), no prompt longer than
+    `max_prompt` (default `max_tokens`). Ids are seeded and
     random below the vocabulary size. No prompt starts with the first token of a prompt of two
     or more tokens, so the radix cache never shortens one; a one-token prompt needs no token of
     its own, since SGLang prefills at least a prompt's last token (and the many-short batches
@@ -99,7 +101,8 @@ def warmup_prompts(model_config: Any, max_tokens: int, seed: int = 0, *, tp: int
     if max_tokens < 1 or longest < 1:
         raise ValueError(f"engine warm-up: max_tokens = {max_tokens} and max_prompt = "
                          f"{max_prompt} must be at least 1 token")  # fmt: skip
-    lengths = [_fit(b, longest) for b in warmup_batches(max_tokens, top_k, q_per_kv, kv_heads)]
+    batches = warmup_batches(max_tokens, top_k, q_per_kv, kv_heads, fp32=fp32)
+    lengths = [_fit(b, longest) for b in batches]
     multi = sum(k > 1 for b in lengths for k in b)
     if multi >= vocab:
         raise ValueError(f"engine warm-up: distinct first tokens: {multi} prompts of two or more "
@@ -118,14 +121,17 @@ def warmup_prompts(model_config: Any, max_tokens: int, seed: int = 0, *, tp: int
 
 
 def engine_prompts(engine, seed: int = 0, max_tokens: int | None = None) -> list[list[list[int]]]:
-    """`warmup_prompts` for a started `sglang.Engine`: its model config, TP and limits;
+    """`warmup_prompts` for a started `sglang.Engine`: its model config, dtype, TP and limits;
     `max_tokens` caps the largest batch below the engine's own (a short warm-up)."""
+    import torch
+
     info = engine.get_server_info()
     limits = prefill_limits(info)
-    hf = engine.tokenizer_manager.model_config.hf_text_config
+    model = engine.tokenizer_manager.model_config
+    hf = model.hf_text_config
     top = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)
-    return warmup_prompts(hf, top, seed, tp=int(info["tp_size"]),
-                          max_prompt=limits.max_prompt)  # fmt: skip
+    return warmup_prompts(hf, top, seed, tp=int(info["tp_size"]), max_prompt=limits.max_prompt,
+                          fp32=model.dtype == torch.float32)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

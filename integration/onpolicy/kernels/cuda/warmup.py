@@ -65,36 +65,39 @@ class CompileLog:
                 int(sum(r[2] for r in rows)))  # fmt: skip
 
 
-def token_bounds(top_k: int, q_per_kv: int, kv_heads: int, max_tokens: int) -> list[int]:
+def token_bounds(top_k: int, q_per_kv: int, kv_heads: int, max_tokens: int,
+                 fp32: bool = False) -> list[int]:  # fmt: skip
     """Token counts T at which some host choice changes between T and T + 1, for a batch of one
-    sequence or of T one-token sequences."""
+    sequence or of T one-token sequences (attention's tiles follow the dtype)."""
     # The MoE's path, then its grouped tile (only past SMALL_PAIRS), in (token, slot) pairs.
     pairs = (moe.SMALL_PAIRS, *(b for b in linear.ROW_BOUNDS if b > moe.SMALL_PAIRS))
     bounds = {*linear.ROW_BOUNDS, *(b // top_k for b in pairs), attention.KV_PARTITION,
               attention.FEW_REQUESTS}  # fmt: skip
     split = [c for c in range(attention.KV_PARTITION + 1, max_tokens + 1)
-             if attention.split_for(_tiles([c], q_per_kv), kv_heads, c)]  # fmt: skip
+             if attention.split_for(_tiles([c], q_per_kv, fp32), kv_heads, c)]  # fmt: skip
     if split:
         bounds.add(split[-1])
     return sorted(b for b in bounds if 0 < b < max_tokens)
 
 
-def _tiles(lengths: Sequence[int], q_per_kv: int) -> int:
+def _tiles(lengths: Sequence[int], q_per_kv: int, fp32: bool = False) -> int:
     """Attention's M-tiles for whole sequences of `lengths` (its schedule's count)."""
-    bm = attention.tile_for(sum(lengths) * q_per_kv, len(lengths))[0]
+    bm = attention.tile_for(sum(lengths) * q_per_kv, len(lengths), fp32)[0]
     return sum(-(-n * q_per_kv // bm) for n in lengths)
 
 
 def warmup_batches(max_tokens: int, top_k: int, q_per_kv: int, kv_heads: int,
-                   min_len: int = 1, scales: Sequence[int] = (1,)) -> list[list[int]]:  # fmt: skip
+                   min_len: int = 1, scales: Sequence[int] = (1,),
+                   fp32: bool = False) -> list[list[int]]:  # fmt: skip
     """Sequence lengths of the warm-up batches: at each count T on either side of every bound
     (and `min_len` and `max_tokens`), one sequence of T tokens (attention's prefill tile), T
     tokens in sequences of `min_len` (its decode tile), and past a partition of keys, one long
     sequence among short ones (the decode tile with split partitions). No sequence is shorter
     than `min_len` (a trainer scores sequences of at least 2 tokens). With `scales`, each
-    bound b is also met at s * b and s * (b + 1) tokens, for a kernel that sees T / s rows."""
+    bound b is also met at s * b and s * (b + 1) tokens, for a kernel that sees T / s rows.
+    `fp32`: the forward runs in fp32 (attention's fp32 tile)."""
     counts = {min_len, max_tokens}
-    for b in token_bounds(top_k, q_per_kv, kv_heads, max_tokens):
+    for b in token_bounds(top_k, q_per_kv, kv_heads, max_tokens, fp32):
         for s in scales:
             counts |= {s * b, s * (b + 1)}
     long = attention.KV_PARTITION + 1
