@@ -170,8 +170,8 @@ def test_negative_control_a_tl_sum_denominator_moves_with_the_tile():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unmasked_blocks_give_the_masked_bits(dtype):
-    """The key blocks before a tile's first row skip the causal masks (forced on in fp32,
-    whose launches mask every block by default); the masked body on every block gives the same
+    """The key blocks before a tile's first row skip the causal masks (forced on, as fp32 and
+    decode tiles mask every block by default); the masked body on every block gives the same
     bits, prefill and decode. Control: the tile test's negative control shows the harness
     sees a moved bit."""
     try:

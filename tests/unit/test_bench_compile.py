@@ -22,8 +22,8 @@ def test_the_gemm_compiles_for_sm90_without_a_gpu():
 
 def test_attention_compiles_for_sm90_without_a_gpu():
     """Attention's kernel at the decode tile, split, in both dtypes: with one body (the masked
-    one on every block) fp32's FMA chains are the larger code; a bf16 launch also compiles the
-    unmasked body, an fp32 launch does not."""
+    one on every block) fp32's FMA chains are the larger code; the unmasked blocks' body adds
+    code, and a decode launch compiles without it."""
     from onpolicy.bench.compile import compile_attention
     from onpolicy.kernels.cuda import attention as A
 
@@ -31,8 +31,16 @@ def test_attention_compiles_for_sm90_without_a_gpu():
     fp32 = compile_attention("fp32", A.DECODE, True, mask_all=True)
     assert bf16[0] > 0 and fp32[0] > 0, (bf16, fp32)
     assert fp32[1] > 2 * bf16[1] > 0, (bf16, fp32)
-    assert compile_attention("bf16", A.DECODE, True)[1] > bf16[1]
-    assert compile_attention("fp32", A.DECODE, True)[1] == fp32[1]
+    assert compile_attention("bf16", A.DECODE, True, mask_all=False)[1] > bf16[1]
+    assert compile_attention("bf16", A.DECODE, True)[1] == bf16[1]
+
+
+def test_only_large_bf16_tiles_split_off_the_unmasked_blocks():
+    from onpolicy.kernels.cuda import attention as A
+
+    assert not A.masks_every_block(A.PREFILL[0], fp32=False)
+    assert all(A.masks_every_block(t[0], fp32=False) for t in (A.DECODE, A.DECODE_FEW, A.FP32))
+    assert A.masks_every_block(A.PREFILL[0], fp32=True)
 
 
 def _launch_tiles():

@@ -67,7 +67,8 @@ def compile_attention(
 ) -> tuple[float, int]:
     """(seconds, PTX characters) of one compile of `attention._attn_kernel` at `tile` (rows,
     warps, stages) for sm_90 into an empty cache; Qwen3-30B-A3B's GQA group and head_dim;
-    `mask_all` as `attention.MASK_EVERY_BLOCK` (None: what a launch of `dtype` compiles)."""
+    `mask_all` as `attention.MASK_EVERY_BLOCK` (None: what a launch at `tile` in `dtype`
+    compiles, `attention.masks_every_block`)."""
     from onpolicy.kernels.cuda import attention as A
     from onpolicy.kernels.rules import KV_BLOCK
 
@@ -82,7 +83,8 @@ def compile_attention(
     const = {"G": group, "D": head_dim, "BM": bm, "BN": KV_BLOCK,
              "LOG_BN": KV_BLOCK.bit_length() - 1, "P": A.KV_PARTITION, "SPLIT": split,
              "IEEE": dtype == "fp32", "PLAIN": False,
-             "MASK_ALL": dtype == "fp32" if mask_all is None else mask_all}  # fmt: skip
+             "MASK_ALL": A.masks_every_block(bm, dtype == "fp32") if mask_all is None
+             else mask_all}  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
     return _compile(A._attn_kernel, sig, const, options)
 
@@ -166,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         "head_dim 128), each tile `tile_for` picks, fused and split; tile = (rows, warps, "
         "stages). Its fp32 dots are FMA chains too, over head_dim and over each 64-key block; "
         "every fp32 launch runs the FP32 tile (the other rows' fp32 columns are what a forced "
-        "tile compiles). A bf16 launch compiles two bodies (the key blocks before a tile's "
-        "first row unmasked), an fp32 launch the masked one.", "",
+        "tile compiles). A bf16 launch at a tile of at least UNMASKED_MIN_ROWS rows compiles "
+        "two bodies (the key blocks before the tile's first row unmasked), the others the "
+        "masked one.", "",
         "| tile | schedule | bf16 s | bf16 PTX KiB | fp32 s | fp32 PTX KiB |",
         "|---|---|---|---|---|---|", *attn,
     ])  # fmt: skip

@@ -294,22 +294,24 @@ def partitions(dev: torch.device) -> None:
 
 
 def masks(dev: torch.device) -> None:
-    """The causal masks on every key block (`MASK_EVERY_BLOCK`, the body before the blocks
-    before a tile's first row dropped them) against the default: packed prefill, and decode as
-    a graph of the kernels alone; the bits must be the same."""
+    """The masked body on every key block against the blocks before a tile's first row
+    unmasked (`MASK_EVERY_BLOCK` True and False; `masks_every_block` picks per tile): packed
+    prefill, and decode as a graph of the kernels alone; the bits must be the same."""
     hq, hkv, d, ps, ctx = 32, 4, 128, 16, 4096
+    body = {True: "masked body on every block", False: "unmasked blocks before the edge"}
     for n, seqs in ((4096, 1), (16384, 4)):
         q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
         k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
         v = torch.randn_like(k)
         cu = [i * n // seqs for i in range(seqs + 1)]
         ref = K.attention(q, k, v, cu)
-        for every in (True, None):
+        default = A.masks_every_block(A.tile_for(n * hq // hkv, seqs)[0], fp32=False)
+        for every in (True, False):
             with setting(A, MASK_EVERY_BLOCK=every):
                 out = K.attention(q, k, v, cu)
                 t = ms(lambda: K.attention(q, k, v, cu))  # noqa: B023
-            print(f"prefill {seqs} x {n // seqs}, masks on every block {bool(every)}: {t:.3f} ms "
-                  f"{same(out, ref)}")  # fmt: skip
+            print(f"prefill {seqs} x {n // seqs}, {body[every]}{' (default)' * (every == default)}"
+                  f": {t:.3f} ms {same(out, ref)}")  # fmt: skip
     for b in (1, 64):
         kp = torch.randn(b * ctx // ps, ps, hkv, d, device=dev, dtype=DTYPE)
         vp = torch.randn_like(kp)
@@ -317,14 +319,15 @@ def masks(dev: torch.device) -> None:
         q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
         cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
         ref = K.paged_attention(q, kp, vp, K.PagedBatch(cu, table, lens))
-        for every in (True, None):
+        default = A.masks_every_block(A.tile_for(b * hq // hkv, b)[0], fp32=False)
+        for every in (True, False):
             with setting(A, MASK_EVERY_BLOCK=every):
                 batch = K.PagedBatch(cu, table, lens)
                 K.paged_attention(q, kp, vp, batch)
                 g, out = captured(partial(K.paged_attention, q, kp, vp, batch))
                 t = ms(g.replay)
-            print(f"decode B={b} ctx={ctx}, masks on every block {bool(every)}: {t * 1e3:.1f} us "
-                  f"{same(out, ref)}")  # fmt: skip
+            print(f"decode B={b} ctx={ctx}, {body[every]}{' (default)' * (every == default)}: "
+                  f"{t * 1e3:.1f} us {same(out, ref)}")  # fmt: skip
 
 
 def moe(dev: torch.device) -> None:

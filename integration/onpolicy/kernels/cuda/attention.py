@@ -68,10 +68,24 @@ FORCE: Tile | None = None
 PLAIN_DENOMINATOR = False
 """Test-only: the denominator by `tl.sum` instead of the column tree, the negative control of
 the tile tests (its order follows the threads' layout, so the tile moves its bits)."""
+UNMASKED_MIN_ROWS = 128
+"""Tiles of at least this many rows run the key blocks before their first row without masks
+(on an H100: packed prefill of 4096 tokens at PREFILL 1.079 against 1.282 ms, 4 x 4096
+3.638 against 4.364 ms). Smaller tiles (decode) keep one masked body: with the second loop a
+graph replay over 4096 keys took 32.3 against 28.6 us at one request and 370.5 against
+236.0 us at 64 (`bench.tiles --only masks`, 2026-12-07)."""
 MASK_EVERY_BLOCK: bool | None = None
-"""Which key blocks take the masked body. None: fp32 launches every block (fp32 runs are the
-GPU tests', and a second body doubles their compile time), others only the causal edge's.
-True or False forces one for every dtype (tests and bench: the bits must not change)."""
+"""Whether every key block takes the masked body. None: `masks_every_block` decides; True or
+False forces it for every tile and dtype (tests and bench: the bits must not change)."""
+
+
+def masks_every_block(rows: int, fp32: bool) -> bool:
+    """Whether a launch at a tile of `rows` rows runs every key block through the masked body:
+    tiles under UNMASKED_MIN_ROWS, and fp32 (the GPU tests' dtype; a second body nearly
+    doubles an fp32 variant's compile)."""
+    if MASK_EVERY_BLOCK is not None:
+        return MASK_EVERY_BLOCK
+    return fp32 or rows < UNMASKED_MIN_ROWS
 
 
 def tile_for(rows: int, requests: int, fp32: bool = False) -> Tile:
@@ -212,7 +226,7 @@ def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base
     m = tl.full((BM,), float("-inf"), tl.float32)
     lcol = tl.zeros((BM, BN), tl.float32)  # the denominator, per key column of the block
     acc = tl.zeros((BM, D), tl.float32)
-    if MASK_ALL:  # test and bench only: the masked body everywhere, the same bits
+    if MASK_ALL:  # the masked body everywhere (`masks_every_block`), the same bits
         mid = lo0
     else:
         mid = tl.minimum(lo0 + tl.maximum(first_pos + 1 - lo0, 0) // BN * BN, hi)
@@ -385,7 +399,7 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
     ws = (torch.empty(n_tiles * hkv * parts * bm * (d + 2), dtype=torch.float32,
                       device=q.device) if split else out)  # fmt: skip
     fp32 = q.dtype == torch.float32
-    mask_all = fp32 if MASK_EVERY_BLOCK is None else MASK_EVERY_BLOCK
+    mask_all = masks_every_block(bm, fp32)
     common = dict(G=g, D=d, BM=bm, num_warps=warps, enable_fp_fusion=False)
     _attn_kernel[(n_tiles, hkv, parts if split else 1)](
         q, k_rows, v_rows, out, ws, sched, n_tiles, pages, pages.stride(0), page_size,
