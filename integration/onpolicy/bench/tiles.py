@@ -207,18 +207,38 @@ def copy_bw(dev: torch.device) -> float:
     return 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3)
 
 
+HEADS = (32, 4, 128)
+"""Qwen3-30B-A3B's attention: query heads, KV heads, head_dim."""
+PAGE = 16
+"""The benches' cache page size."""
+
+
+def packed(dev: torch.device, n: int, seqs: int) -> tuple:
+    """q, k, v [n, heads, d] and cu_seqlens of `seqs` equal sequences: a packed prefill."""
+    hq, hkv, d = HEADS
+    q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
+    k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
+    return q, k, torch.randn_like(k), [i * n // seqs for i in range(seqs + 1)]
+
+
+def paged(dev: torch.device, b: int, ctx: int) -> tuple:
+    """q [b, hq, d], a shuffled paged cache (k and v pages) of `ctx` keys a request, and the
+    decode batch's tensors (cu_seqlens, page tables, lengths)."""
+    hq, hkv, d = HEADS
+    per = ctx // PAGE
+    kp = torch.randn(b * per, PAGE, hkv, d, device=dev, dtype=DTYPE)
+    table = torch.randperm(b * per, device=dev).view(b, per)
+    q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
+    cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
+    return q, kp, torch.randn_like(kp), (cu, table, lens)
+
+
 def attention(dev: torch.device) -> None:
     bw = copy_bw(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    hq, hkv, d, ps = 32, 4, 128, 16
+    hq, hkv, d = HEADS
     for b, ctx in ((1, 512), (1, 4096), (8, 4096), (64, 4096), (512, 4096)):
-        per = ctx // ps
-        kp = torch.randn(b * per, ps, hkv, d, device=dev, dtype=DTYPE)
-        vp = torch.randn_like(kp)
-        table = torch.randperm(b * per, device=dev).view(b, per)
-        q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
-        cu = torch.arange(b + 1, device=dev)
-        lens = torch.full((b,), ctx, device=dev)
+        q, kp, vp, (cu, table, lens) = paged(dev, b, ctx)
 
         def fresh(q=q, kp=kp, vp=vp, cu=cu, table=table, lens=lens):
             return K.paged_attention(q, kp, vp, K.PagedBatch(cu, table, lens))
@@ -242,10 +262,7 @@ def attention(dev: torch.device) -> None:
         print(f"  default with its schedule derived in the graph: {t * 1e3:.1f} us "
               f"{nbytes / t / 1e9:.2f} TB/s = {nbytes / t * 1e3 / bw:.0%} of copy")  # fmt: skip
     for n, seqs in ((4096, 1), (16384, 4)):
-        q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
-        k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
-        v = torch.randn_like(k)
-        cu = [i * n // seqs for i in range(seqs + 1)]
+        q, k, v, cu = packed(dev, n, seqs)
         ref = K.attention(q, k, v, cu)
         qh, kh, vh = (t.view(seqs, n // seqs, -1, d).transpose(1, 2) for t in (q, k, v))
 
@@ -267,13 +284,9 @@ def attention(dev: torch.device) -> None:
 def partitions(dev: torch.device) -> None:
     """What the partition width (part of the bits: a rules change) would buy: decode at
     context 512 as a graph of the kernels alone, and packed prefill, at 128, 256 and 512 keys."""
-    hq, hkv, d, ps, ctx = 32, 4, 128, 16, 512
+    ctx = 512
     for b in (1, 8, 64):
-        kp = torch.randn(b * ctx // ps, ps, hkv, d, device=dev, dtype=DTYPE)
-        vp = torch.randn_like(kp)
-        table = torch.randperm(b * ctx // ps, device=dev).view(b, ctx // ps)
-        q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
-        cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
+        q, kp, vp, (cu, table, lens) = paged(dev, b, ctx)
         for keys in (128, 256, 512):
             with setting(A, KV_PARTITION=keys):
                 batch = K.PagedBatch(cu, table, lens)
@@ -282,10 +295,7 @@ def partitions(dev: torch.device) -> None:
                 t = ms(g.replay)
             print(f"decode B={b} ctx={ctx}, partitions of {keys} keys: {t * 1e3:.1f} us")
     for n, seqs in ((4096, 1), (16384, 4)):
-        q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
-        k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
-        v = torch.randn_like(k)
-        cu = [i * n // seqs for i in range(seqs + 1)]
+        q, k, v, cu = packed(dev, n, seqs)
         for keys in (128, 256, 512):
             with setting(A, KV_PARTITION=keys):
                 K.attention(q, k, v, cu)
@@ -297,13 +307,10 @@ def masks(dev: torch.device) -> None:
     """The masked body on every key block against the blocks before a tile's first row
     unmasked (`MASK_EVERY_BLOCK` True and False; `masks_every_block` picks per tile): packed
     prefill, and decode as a graph of the kernels alone; the bits must be the same."""
-    hq, hkv, d, ps, ctx = 32, 4, 128, 16, 4096
+    (hq, hkv, _), ctx = HEADS, 4096
     body = {True: "masked body on every block", False: "unmasked blocks before the edge"}
     for n, seqs in ((4096, 1), (16384, 4)):
-        q = torch.randn(n, hq, d, device=dev, dtype=DTYPE)
-        k = torch.randn(n, hkv, d, device=dev, dtype=DTYPE)
-        v = torch.randn_like(k)
-        cu = [i * n // seqs for i in range(seqs + 1)]
+        q, k, v, cu = packed(dev, n, seqs)
         ref = K.attention(q, k, v, cu)
         default = A.masks_every_block(A.tile_for(n * hq // hkv, seqs)[0], fp32=False)
         for every in (True, False):
@@ -313,11 +320,7 @@ def masks(dev: torch.device) -> None:
             print(f"prefill {seqs} x {n // seqs}, {body[every]}{' (default)' * (every == default)}"
                   f": {t:.3f} ms {same(out, ref)}")  # fmt: skip
     for b in (1, 64):
-        kp = torch.randn(b * ctx // ps, ps, hkv, d, device=dev, dtype=DTYPE)
-        vp = torch.randn_like(kp)
-        table = torch.randperm(b * ctx // ps, device=dev).view(b, ctx // ps)
-        q = torch.randn(b, hq, d, device=dev, dtype=DTYPE)
-        cu, lens = torch.arange(b + 1, device=dev), torch.full((b,), ctx, device=dev)
+        q, kp, vp, (cu, table, lens) = paged(dev, b, ctx)
         ref = K.paged_attention(q, kp, vp, K.PagedBatch(cu, table, lens))
         default = A.masks_every_block(A.tile_for(b * hq // hkv, b)[0], fp32=False)
         for every in (True, False):
