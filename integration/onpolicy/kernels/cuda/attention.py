@@ -141,33 +141,10 @@ def _columns_tree(v, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr):
 
 
 @triton.jit
-def _block(
-    q,
-    k_ptr,
-    v_ptr,
-    pages_ptr,
-    req,
-    stride_pages,
-    page_size,
-    kv_base,
-    kv_len,
-    q_pos,
-    row_ok,
-    lo,
-    kvh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    scale,
-    m,
-    lcol,
-    acc,
-    D: tl.constexpr,
-    BN: tl.constexpr,
-    IEEE: tl.constexpr,
-    MASK: tl.constexpr,
-):
+def _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
+           row_ok, lo, kvh, stride_kt, stride_kh, stride_vt, stride_vh, scale, m, lcol, acc,
+           D: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+           MASK: tl.constexpr):  # fmt: skip
     """One KV_BLOCK of keys from `lo` folded into (m, lcol, acc). MASK off: every key of the
     block is at or before every row's position, so the masks would keep every value and the
     same expressions give the same bits without them."""
