@@ -6,10 +6,14 @@ tokens. A real CPU engine runs `warm_up_engine` in tests/engines/test_sglang_req
 
 from __future__ import annotations
 
+import random
 import types
 
 import pytest
-from onpolicy.kernels.cuda.warmup import token_bounds, warmup_batches
+from onpolicy.kernels.cuda import attention as A
+from onpolicy.kernels.cuda import linear as L
+from onpolicy.kernels.cuda import moe as M
+from onpolicy.kernels.cuda.warmup import request_bounds, token_bounds, warmup_batches
 from onpolicy.rollout.warmup import (
     PrefillLimits,
     prefill_limits,
@@ -33,7 +37,62 @@ def test_the_prompts_meet_every_bound_from_both_sides(max_tokens):
     for b in bounds:
         for t in (b, b + 1):
             assert [t] in got, f"no batch of one prompt of {t} tokens (bound {b})"
+    ones, longs = request_bounds(8, 4, max_tokens, 151936)
+    for b in ones:
+        for t in (b, b + 1):
             assert [1] * t in got, f"no batch of {t} one-token prompts (bound {b})"
+    for b in longs:
+        for t in (b, b + 1):
+            assert t <= 513 or [513] + [1] * (t - 513) in got, f"no long among {t - 513} short"
+
+
+def test_request_bounds_at_qwen3_heads():
+    """Derived by hand for 8 query heads a KV head, 4 KV heads, 16-row decode tiles: R one-token
+    requests take DECODE_FEW up to 64, split while 4 (R // 2 + R) < 528, i.e. R <= 87, and the
+    LM head's tile changes past 16, 64 and 512 rows (151936 columns fill LARGE_M's waves at any
+    M > 512); a long request (513 tokens) among t - 513 short ones runs the 128-row tile while
+    8t > 16 (t - 512), i.e. t <= 1023, split while 4 (8t // 128 + t - 512) < 528, t <= 606."""
+    assert request_bounds(8, 4, 4096, 151936) == ([16, 64, 87, 512], [513, 606, 1023])
+    # A narrow LM head fills LARGE_M's waves only at 16769 rows (131 x 4 tiles of 256 columns).
+    assert request_bounds(8, 4, 20000, 1024)[0] == [16, 64, 87, 512, 16768]
+
+
+def variants(lengths: list[int], vocab: int = 151936) -> set:
+    """The host choices an engine's forward of this batch makes (one token sampled a request):
+    attention's (tile, split) on the device path, each T-row GEMM's tile, the MoE's path and
+    tile, the LM head's tile over one row a request."""
+    t, r, g, kv = sum(lengths), len(lengths), 8, 4
+    tile = A.tile_for(t * g, r)
+    split = A.split_for(t * g // tile[0] + r, kv, 2 * A.KV_PARTITION)
+    pairs = 8 * t
+    moe = ("pairs",) if pairs <= M.SMALL_PAIRS else L.tile_for(pairs, 768, 1, tma=False)
+    return {
+        ("attention", tile, split),
+        ("lm_head", L.tile_for(r, vocab)),
+        ("moe", moe),
+        *(("gemm", n, L.tile_for(t, n)) for n in (5120, 2048, 128)),
+    }
+
+
+def test_the_warm_up_launches_every_variant_of_random_batches():
+    """Random batches of at most 4096 tokens (one-token and short prompts, a long one among
+    them, one prompt alone) launch no host choice the warm-up batches did not. Control: without
+    its short batches the warm-up misses some."""
+
+    def cover(batches):
+        return set().union(*(variants(b) for b in batches))
+
+    warm = cover(lengths(warmup_prompts(CONFIG, 4096, seed=0)))
+    rng = random.Random(0)
+    batches = [[1] * rng.randint(1, 4096) for _ in range(100)]
+    batches += [[rng.randint(1, 40) for _ in range(rng.randint(1, 100))] for _ in range(100)]
+    batches += [[rng.randint(513, 3000), *[1] * rng.randint(0, 1000)] for _ in range(100)]
+    batches += [[rng.randint(1, 4096)] for _ in range(100)]
+    batches = [b for b in batches if sum(b) <= 4096]
+    missed = [b[:3] for b in batches if not variants(b) <= warm]
+    assert not missed, f"{len(missed)} batches launch variants the warm-up did not: {missed[:5]}"
+    bare = cover(warmup_batches(4096, 8, 8, 4, short_bounds=([], [])))
+    assert any(not variants(b) <= bare for b in batches)
 
 
 def test_the_heads_per_rank_follow_tp():
@@ -48,7 +107,7 @@ def test_no_prompt_exceeds_the_engine_limits():
     for b in lengths(warmup_prompts(CONFIG, 4096)):
         assert sum(b) <= 4096, b
     # A prompt longer than the engine takes is cut; the batch keeps its tokens.
-    whole = warmup_batches(4096, 8, 8, 4)
+    whole = warmup_batches(4096, 8, 8, 4, short_bounds=request_bounds(8, 4, 4096, 151936))
     assert max(max(b) for b in whole) > 1000
     cut = lengths(warmup_prompts(CONFIG, 4096, max_prompt=1000))
     assert max(max(b) for b in cut) <= 1000
@@ -58,14 +117,14 @@ def test_no_prompt_exceeds_the_engine_limits():
 
 def test_first_tokens_are_distinct_and_ids_are_within_the_vocabulary():
     """No prompt starts with the first token of a prompt of two or more tokens (the radix cache
-    could shorten it); one-token prompts, which it cannot, outnumber a small vocabulary: here 11
-    ids, 10 of them first tokens of longer prompts, the 11th that of every one-token prompt."""
-    vocab = 11
+    could shorten it); one-token prompts, which it cannot, outnumber a small vocabulary: here 15
+    ids, 14 of them first tokens of longer prompts, the 15th that of every one-token prompt."""
+    vocab = 15
     cfg = types.SimpleNamespace(**{**vars(CONFIG), "vocab_size": vocab})
     prompts = [p for b in warmup_prompts(cfg, 1200, seed=3) for p in b]
     multi = [p[0] for p in prompts if len(p) > 1]
     singles = {p[0] for p in prompts if len(p) == 1}
-    assert len(prompts) == 3102 > vocab and len(multi) == 10
+    assert len(prompts) == 2586 > vocab and len(multi) == 14
     assert len(set(multi)) == len(multi) and len(singles) == 1 and not singles & set(multi)
     ids = [t for p in prompts for t in p]
     assert min(ids) >= 0 and max(ids) < vocab

@@ -45,10 +45,13 @@ LARGE_GEMM_TILES: tuple[L.Tile, ...] = (
     (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
 )  # fmt: skip
 """Candidates above M = 512, each with and without TMA."""
-DECODE_TILES: tuple[A.Tile, ...] = ((16, 4, 2), (16, 4, 3), (16, 4, 4), (16, 2, 3), (16, 8, 2),
-                                    (16, 8, 3), (16, 8, 4), (32, 4, 3), (64, 4, 2))  # fmt: skip
-PREFILL_TILES: tuple[A.Tile, ...] = ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3),
-                                     (128, 4, 2), (64, 8, 3))  # fmt: skip
+DECODE_TILES: tuple[A.Tile, ...] = ((16, 2, 3), (16, 2, 5), (16, 4, 3), (16, 4, 5), (16, 8, 3),
+                                    (16, 8, 4), (16, 8, 5), (16, 8, 6))  # fmt: skip
+"""Decode candidates. A key block's loads depend on its page ids (an indirect load), so
+Triton's pipeliner double-buffers K and V only from 5 stages on; at 3 or 4 a block's loads are
+issued after the previous block's products and waited for at once (its TTGIR)."""
+PREFILL_TILES: tuple[A.Tile, ...] = ((128, 8, 2), (128, 8, 3), (128, 8, 4), (128, 8, 5),
+                                     (128, 4, 5), (64, 4, 5), (64, 4, 2))  # fmt: skip
 DECODE_GEMM_TILES: tuple[L.Tile, ...] = (
     (64, 32, 128, 4, 4), (16, 32, 128, 4, 4), (16, 16, 128, 4, 4), (16, 16, 256, 4, 3),
     (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 16, 64, 2, 6), (16, 32, 128, 2, 4),

@@ -67,6 +67,9 @@ class EngineSpec:
     memory_saver: bool = False
     """SGLang's enable_memory_saver (colocated on CUDA): `release_memory` then frees the weights
     and KV cache through torch-memory-saver; without it the release keeps them resident."""
+    warm_up: bool = False
+    """Compile the engine's prefill variants as it starts (`rollout.warmup`): the exact engine
+    on CUDA unless grpo.compile_warmup is "never"."""
 
 
 def preload_finds_cudart() -> None:
@@ -112,7 +115,7 @@ class RolloutActor:
             extra["enable_memory_saver"] = True
             preload_finds_cudart()
         self.service = EngineService(s.ckpt, tp=s.tp, ep=s.ep, dtype=s.dtype, exact=s.exact,
-                                     name=self.name, **extra)  # fmt: skip
+                                     name=self.name, warm_up=s.warm_up, **extra)  # fmt: skip
         return self.service.info() | {"name": self.name}
 
     def call(self, op: str, kw: dict) -> Any:

@@ -72,7 +72,8 @@ class GRPOConfig:
     compile_warmup: str = "cuda"
     """When every trainer rank scores and trains on the warm-up batches before step 1 (no optimizer
     step), so both forwards' Triton variants compile then: "cuda" (on CUDA only; on CPU nothing
-    compiles), "always" or "never"."""
+    compiles), "always" or "never". Exact CUDA engines warm up their prefill as they start
+    unless it is "never"."""
     seed: int = 0
     """Seed of the prompts and of every sample's sampling seed."""
     true_on_policy: bool = True

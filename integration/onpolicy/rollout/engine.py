@@ -132,14 +132,15 @@ def engine_kwargs(model_path: str | os.PathLike, tp: int = 1, ep: int = 1,
 
 
 def launch(model_path: str | os.PathLike, tp: int = 1, ep: int = 1, dtype: str = "bfloat16",
-           exact: bool = True, *, warm_up: bool = False, **extra: Any):  # fmt: skip
+           exact: bool = True, *, warm_up: bool | None = None, **extra: Any):  # fmt: skip
     """A started `sglang.Engine` (see `engine_kwargs`; call `.shutdown()` when done).
 
     On CPU the process must already carry `engine_env(tp, run_dir)`: SGLang reads
     SGLANG_USE_CPU_ENGINE at import, so it cannot be set from here.
     `warm_up`: before returning, compile the prefill's Triton variants of an exact CUDA engine
-    (`rollout.warmup`; one line on stderr says what it ran). Off by default: its prompts grow
-    with the largest extend batch (16258 prompts for a 4096-token one at Qwen3-30B-A3B's heads).
+    (`rollout.warmup`; one line on stderr says what it ran). None: on for an exact engine on
+    CUDA (2588 prompts, 14630 tokens for a 4096-token extend batch at Qwen3-30B-A3B's heads),
+    off otherwise (nothing compiles on CPU).
     """
     kwargs = engine_kwargs(model_path, tp, ep, dtype, exact, **extra)
     if kwargs["device"] == "cpu" and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
@@ -150,6 +151,8 @@ def launch(model_path: str | os.PathLike, tp: int = 1, ep: int = 1, dtype: str =
     import sglang as sgl
 
     engine = sgl.Engine(**kwargs)
+    if warm_up is None:
+        warm_up = exact and kwargs["device"] == "cuda"
     if warm_up:
         from onpolicy.rollout.warmup import engine_prompts, warm_up_engine
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from onpolicy.kernels.cuda.warmup import warmup_batches
+from onpolicy.kernels.cuda.warmup import request_bounds, warmup_batches
 
 NEW_TOKENS = 2
 """Tokens each warm-up prompt generates: one from its extend batch, one from a decode step."""
@@ -101,7 +101,11 @@ def warmup_prompts(model_config: Any, max_tokens: int, seed: int = 0, *, tp: int
     if max_tokens < 1 or longest < 1:
         raise ValueError(f"engine warm-up: max_tokens = {max_tokens} and max_prompt = "
                          f"{max_prompt} must be at least 1 token")  # fmt: skip
-    batches = warmup_batches(max_tokens, top_k, q_per_kv, kv_heads, fp32=fp32)
+    # SGLang's LM head pads the vocabulary to a multiple of 64, then shards it over the TP ranks.
+    lm_cols = -(-(-(-vocab // 64) * 64) // tp)
+    batches = warmup_batches(max_tokens, top_k, q_per_kv, kv_heads, fp32=fp32,
+                             short_bounds=request_bounds(q_per_kv, kv_heads, max_tokens,
+                                                         lm_cols, fp32))  # fmt: skip
     lengths = [_fit(b, longest) for b in batches]
     multi = sum(k > 1 for b in lengths for k in b)
     if multi >= vocab:

@@ -80,6 +80,29 @@ def token_bounds(top_k: int, q_per_kv: int, kv_heads: int, max_tokens: int,
     return sorted(b for b in bounds if 0 < b < max_tokens)
 
 
+def request_bounds(q_per_kv: int, kv_heads: int, max_tokens: int, vocab: int,
+                   fp32: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
+    """Token counts T at which a choice changes between T and T + 1 for the two batches of an
+    engine with one row per request: (T one-token requests, one request of a partition and a
+    key among T - KV_PARTITION - 1 one-token ones). The choices: attention's tile and split on
+    the device path (`attention._plan`: T * g // BLOCK_M + R tiles, the keys bounded by a page
+    table wider than a partition), and, for the one-token batch, the tile of the GEMM over one
+    row per request (the LM head over `vocab` columns: its row bounds and LARGE_M's waves; the
+    other batch has fewer requests than a one-token batch of its T). Every other kernel sees
+    the batch's T rows and picks by T alone."""
+    long = attention.KV_PARTITION + 1
+
+    def attend(tokens: int, requests: int) -> tuple:
+        tile = attention.tile_for(tokens * q_per_kv, requests, fp32)
+        tiles = tokens * q_per_kv // tile[0] + requests
+        return tile, attention.split_for(tiles, kv_heads, 2 * attention.KV_PARTITION)
+
+    ones = [(attend(t, t), linear.tile_for(t, vocab)) for t in range(1, max_tokens + 1)]
+    longs = [attend(t, t - long + 1) if t > long else None for t in range(1, max_tokens + 1)]
+    return tuple([t for t in range(1, max_tokens) if picks[t - 1] != picks[t]]
+                 for picks in (ones, longs))  # fmt: skip
+
+
 def _tiles(lengths: Sequence[int], q_per_kv: int, fp32: bool = False) -> int:
     """Attention's M-tiles for whole sequences of `lengths` (its schedule's count)."""
     bm = attention.tile_for(sum(lengths) * q_per_kv, len(lengths), fp32)[0]
@@ -87,26 +110,34 @@ def _tiles(lengths: Sequence[int], q_per_kv: int, fp32: bool = False) -> int:
 
 
 def warmup_batches(max_tokens: int, top_k: int, q_per_kv: int, kv_heads: int,
-                   min_len: int = 1, scales: Sequence[int] = (1,),
-                   fp32: bool = False) -> list[list[int]]:  # fmt: skip
+                   min_len: int = 1, scales: Sequence[int] = (1,), fp32: bool = False,
+                   short_bounds: tuple[Sequence[int], Sequence[int]] | None = None,
+                   ) -> list[list[int]]:  # fmt: skip
     """Sequence lengths of the warm-up batches: at each count T on either side of every bound
     (and `min_len` and `max_tokens`), one sequence of T tokens (attention's prefill tile), T
     tokens in sequences of `min_len` (its decode tile), and past a partition of keys, one long
     sequence among short ones (the decode tile with split partitions). No sequence is shorter
     than `min_len` (a trainer scores sequences of at least 2 tokens). With `scales`, each
     bound b is also met at s * b and s * (b + 1) tokens, for a kernel that sees T / s rows.
-    `fp32`: the forward runs in fp32 (attention's fp32 tile)."""
+    `fp32`: the forward runs in fp32 (attention's fp32 tile). `short_bounds`: (bounds of the
+    batch of short sequences, bounds of the one with a long sequence among them), the counts
+    where a choice of that batch changes (`request_bounds`); each is then made only on both
+    sides of its own, the one-sequence batches still at every count: a kernel that sees the
+    batch's T rows picks by T alone, which those cover (None: both at every count too)."""
     counts = {min_len, max_tokens}
     for b in token_bounds(top_k, q_per_kv, kv_heads, max_tokens, fp32):
         for s in scales:
             counts |= {s * b, s * (b + 1)}
+    shorts, longs = (counts, counts) if short_bounds is None else (
+        {min_len, *bs, *(b + 1 for b in bs)} for bs in short_bounds)  # fmt: skip
     long = attention.KV_PARTITION + 1
     batches = []
-    for t in sorted(c for c in counts if min_len <= c <= max_tokens):
-        batches.append([t])
-        if t >= 2 * min_len:
+    for t in sorted(c for c in counts | shorts | longs if min_len <= c <= max_tokens):
+        if t in counts:
+            batches.append([t])
+        if t in shorts and t >= 2 * min_len:
             batches.append(_short(t, min_len))
-        if t >= long + min_len:
+        if t in longs and t >= long + min_len:
             batches.append([long, *_short(t - long, min_len)])
     return batches
 
