@@ -12,7 +12,8 @@ of each kind, launch every variant that any batch of at most `max_tokens` tokens
 (`warmup_batches`). `warm_up` runs them through the caller's forward and counts the compiles.
 
 Scope: packed prefill of whole sequences (the trainer's forward, and the reference model's
-`score`). The paged decode of an engine is warmed by its own graph capture.
+`score`), and with `request_bounds` an engine's extend batches (`rollout.warmup`). The paged
+decode of an engine is warmed by its own graph capture.
 """
 
 from __future__ import annotations
