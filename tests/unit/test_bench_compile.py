@@ -35,6 +35,19 @@ def test_attention_compiles_for_sm90_without_a_gpu():
     assert compile_attention("bf16", A.DECODE, True)[1] == bf16[1]
 
 
+def test_the_bench_compiles_what_a_launch_compiles():
+    """Compiled as a launch specializes it (aligned pointers, strides that are multiples of
+    16), attention's key and value blocks load by asynchronous copies that the pipeliner
+    schedules; the control, the same source knowing no alignment, loads element by element
+    and copies nothing asynchronously, other code than any run compiles."""
+    from onpolicy.bench.compile import attention_ir
+    from onpolicy.kernels.cuda import attention as A
+
+    copy = "ttg.async_copy_global_to_local"
+    assert attention_ir("bf16", A.DECODE, True).count(copy) >= 2
+    assert copy not in attention_ir("bf16", A.DECODE, True, specialized=False)
+
+
 def test_only_large_bf16_tiles_split_off_the_unmasked_blocks():
     from onpolicy.kernels.cuda import attention as A
 

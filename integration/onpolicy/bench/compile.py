@@ -14,6 +14,11 @@ for comparison, at the bf16 tile uncapped. Each is compiled once into an empty c
 time is the whole compile: front end, the MLIR passes, LLVM and ptxas. The TMA kernel (bf16
 plain GEMMs at large M) takes tensor descriptors and is left out. Then attention's kernel at its
 two tiles, fused and split, in bf16 and fp32.
+
+Each variant is compiled as a launch at the model's shapes specializes it: pointers 16-byte
+aligned and the specialized integers (strides, widths, the page size) multiples of 16. Without
+that Triton knows no alignment, loads one element at a time and pipelines no load, which is
+other code than a run compiles (`attention_ir` shows the difference).
 """
 
 from __future__ import annotations
@@ -50,11 +55,12 @@ def compile_variant(dtype: str, tile: tuple[int, int, int, int, int], segments: 
     sig |= dict.fromkeys(("M", "N", "stride_xm", "stride_we", "stride_wn", "stride_om",
                           "n_experts"), "i32")  # fmt: skip
     seg_k = k // segments
+    spec = ("N", "stride_xm", "stride_we", "stride_wn", "stride_om", "n_experts")
     const = {"GATHER": False, "SCATTER": False, "GROUPED": False, "PAIRS": False, "ROW_DIV": 1,
              "DUAL": False, "OUT_FP32": True, "SEGMENTS": segments, "SEG_K": seg_k,
              "EVEN": seg_k % bk == 0, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8,
              "IEEE": fp32, "SEAL": True}  # fmt: skip
-    return _compile(L._mm_kernel, sig, const, {"num_warps": warps, "num_stages": stages})
+    return _compile(L._mm_kernel, sig, const, {"num_warps": warps, "num_stages": stages}, spec)
 
 
 def compile_attention(
@@ -69,6 +75,18 @@ def compile_attention(
     warps, stages) for sm_90 into an empty cache; Qwen3-30B-A3B's GQA group and head_dim;
     `mask_all` as `attention.MASK_EVERY_BLOCK` (None: what a launch at `tile` in `dtype`
     compiles, `attention.masks_every_block`)."""
+    seconds, compiled = _attention(dtype, tile, split, group, head_dim, mask_all, True)
+    return seconds, len(compiled.asm["ptx"])
+
+
+def attention_ir(dtype: str, tile: tuple[int, int, int], split: bool,
+                 specialized: bool = True) -> str:  # fmt: skip
+    """The TTGIR of attention's kernel at `tile` (Qwen3-30B-A3B's heads), as a launch
+    specializes it or, with `specialized` off, knowing no alignment."""
+    return _attention(dtype, tile, split, 8, 128, None, specialized)[1].asm["ttgir"]
+
+
+def _attention(dtype, tile, split, group, head_dim, mask_all, specialized):
     from onpolicy.kernels.cuda import attention as A
     from onpolicy.kernels.rules import KV_BLOCK
 
@@ -77,31 +95,44 @@ def compile_attention(
     sig = dict.fromkeys(A._attn_kernel.arg_names, "constexpr")
     sig |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), ptr)
     sig |= {"ws_ptr": "*fp32", "sched_ptr": "*i64", "pages_ptr": "*i64", "scale": "fp32"}
-    sig |= dict.fromkeys(("n_tiles", "stride_pages", "page_size", "stride_qt", "stride_qh",
-                          "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
-                          "stride_oh"), "i32")  # fmt: skip
+    ints = ("page_size", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+            "stride_vh", "stride_ot", "stride_oh")  # fmt: skip
+    sig |= dict.fromkeys(("n_tiles", "stride_pages", *ints), "i32")
     const = {"G": group, "D": head_dim, "BM": bm, "BN": KV_BLOCK,
              "LOG_BN": KV_BLOCK.bit_length() - 1, "P": A.KV_PARTITION, "SPLIT": split,
              "IEEE": dtype == "fp32", "PLAIN": False,
              "MASK_ALL": A.masks_every_block(bm, dtype == "fp32") if mask_all is None
              else mask_all}  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
-    return _compile(A._attn_kernel, sig, const, options)
+    return _build(A._attn_kernel, sig, const, options, ints if specialized else None)
 
 
-def _compile(kernel, sig: dict, const: dict, options: dict) -> tuple[float, int]:
+def _compile(kernel, sig: dict, const: dict, options: dict,
+             ints: tuple[str, ...]) -> tuple[float, int]:  # fmt: skip
     """Compile `kernel` for sm_90 into an empty cache: (seconds, PTX characters)."""
+    seconds, compiled = _build(kernel, sig, const, options, ints)
+    return seconds, len(compiled.asm["ptx"])
+
+
+def _build(kernel, sig: dict, const: dict, options: dict, ints: tuple[str, ...] | None):
+    """(seconds, the compiled kernel) of one compile for sm_90 into an empty cache. `ints`: the
+    integer arguments a launch specializes as multiples of 16, the pointers then 16-byte
+    aligned (a run's launches); None: nothing known, as an unspecialized source."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = kernel.arg_names
+    divisible = [] if ints is None else [n for n in names
+                                         if sig[n].startswith("*") or n in ints]  # fmt: skip
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     with tempfile.TemporaryDirectory(prefix="onpolicy-compile-") as cache:
         saved = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = cache
         try:
             t0 = time.perf_counter()
             target = GPUTarget("cuda", 90, 32)
-            compiled = triton.compile(ASTSource(kernel, sig, const), target=target,
+            compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=target,
                                       options=options)  # fmt: skip
             seconds = time.perf_counter() - t0
         finally:
@@ -109,7 +140,7 @@ def _compile(kernel, sig: dict, const: dict, options: dict) -> tuple[float, int]
                 os.environ.pop("TRITON_CACHE_DIR", None)
             else:
                 os.environ["TRITON_CACHE_DIR"] = saved
-    return seconds, len(compiled.asm["ptx"])
+    return seconds, compiled
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,8 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         f"`python -m onpolicy.bench.compile`, {time.strftime('%Y-%m-%d', time.gmtime())}, "
         f"commit {commit()}, Triton {triton.__version__}, target sm_90, compiled on "
         f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), K = {args.k}. "
-        "One compile of `linear._mm_kernel` per row and dtype, each into an empty cache; "
-        "tile = (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).", "",
+        "One compile of `linear._mm_kernel` per row and dtype, each into an empty cache and "
+        "specialized as a launch at the model's shapes is (pointers 16-byte aligned; strides, "
+        "widths and the page size multiples of 16); tile = (BLOCK_M, BLOCK_N, BLOCK_K, warps, "
+        "stages).", "",
         "| tile | S | bf16 s | bf16 PTX KiB | fp32 at this tile s | its PTX KiB | fp32 launch "
         "tile | fp32 s | fp32 PTX KiB |", "|---|---|---|---|---|---|---|---|---|", *rows, "",
         f"Total: bf16 {totals['bf16']:.1f} s; fp32 at the launch tiles {totals['fp32']:.1f} s, "
