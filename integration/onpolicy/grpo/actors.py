@@ -67,9 +67,9 @@ class EngineSpec:
     memory_saver: bool = False
     """SGLang's enable_memory_saver (colocated on CUDA): `release_memory` then frees the weights
     and KV cache through torch-memory-saver; without it the release keeps them resident."""
-    warm_up: bool = False
-    """Compile the engine's prefill variants as it starts (`rollout.warmup`): the exact engine
-    on CUDA unless grpo.compile_warmup is "never"."""
+    warm_up: bool = True
+    """Let the engine compile its prefill variants as it starts where `launch` does by default
+    (an exact engine on CUDA, `rollout.warmup`); False (grpo.compile_warmup = "never"): not."""
 
 
 def preload_finds_cudart() -> None:
@@ -115,7 +115,8 @@ class RolloutActor:
             extra["enable_memory_saver"] = True
             preload_finds_cudart()
         self.service = EngineService(s.ckpt, tp=s.tp, ep=s.ep, dtype=s.dtype, exact=s.exact,
-                                     name=self.name, warm_up=s.warm_up, **extra)  # fmt: skip
+                                     name=self.name, warm_up=None if s.warm_up else False,
+                                     **extra)  # fmt: skip
         return self.service.info() | {"name": self.name}
 
     def call(self, op: str, kw: dict) -> Any:

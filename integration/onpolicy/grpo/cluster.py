@@ -191,7 +191,6 @@ class Cluster:
             native = not exact and stock_runs_native_ops(c.device)  # and decodes eagerly
             if native:
                 env |= NATIVE_OPS_ENV
-            warm = cuda and exact and e.grpo.compile_warmup != "never"
             es = EngineSpec(index=i, ckpt=str(ckpt), tp=r.tp, ep=r.ep, dtype=c.model.dtype,
                             device=c.device, exact=exact,
                             routes=e.grpo.routing_check, num_layers=c.shape.num_hidden_layers,
@@ -199,7 +198,7 @@ class Cluster:
                             base_gpu_id=bundle if cuda else 0, authkey=self.authkey,
                             mem_fraction=e.grpo.engine_mem_fraction,
                             memory_saver=cuda and r.colocate, eager=native,
-                            warm_up=warm)  # fmt: skip
+                            warm_up=e.grpo.compile_warmup != "never")  # fmt: skip
             a = Rollout.options(runtime_env={"env_vars": env}, **at(bundle, share)).remote(es)
             self.engines.append(a)
             self.actors.append((f"engine{i}", a))
