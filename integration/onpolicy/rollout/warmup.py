@@ -102,7 +102,8 @@ def warmup_prompts(model_config: Any, max_tokens: int, seed: int = 0, *, tp: int
         raise ValueError(f"engine warm-up: max_tokens = {max_tokens} and max_prompt = "
                          f"{max_prompt} must be at least 1 token")  # fmt: skip
     # SGLang's LM head pads the vocabulary to a multiple of 64, then shards it over the TP ranks.
-    lm_cols = -(-(-(-vocab // 64) * 64) // tp)
+    padded = -(-vocab // 64) * 64
+    lm_cols = -(-padded // tp)
     batches = warmup_batches(max_tokens, top_k, q_per_kv, kv_heads, fp32=fp32,
                              short_bounds=request_bounds(q_per_kv, kv_heads, max_tokens,
                                                          lm_cols, fp32))  # fmt: skip
