@@ -25,6 +25,17 @@ def is_power_of_2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host's launch arithmetic: `triton.cdiv` is a constexpr function, whose
+    host call costs about 2 us (a GEMM's launch made four)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1), on the host, as `cdiv` replaces `triton.cdiv`."""
+    return 1 << (n - 1).bit_length()
+
+
 def k_segments(k: int, tps: Iterable[int]) -> int:
     """S for a matmul whose K = `k` is cut over TP on some side of a run: the largest of `tps`
     (the TPs that cut this K, on either side) that divides k, 1 when none does (an unsplit K).

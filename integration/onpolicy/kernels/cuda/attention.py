@@ -40,7 +40,7 @@ import triton.language as tl
 
 from onpolicy.kernels.compose import PagedBatch, varlen_with_native_grad
 from onpolicy.kernels.compose import attention_scale as _scale
-from onpolicy.kernels.rules import KV_BLOCK
+from onpolicy.kernels.rules import KV_BLOCK, cdiv
 
 Tile = tuple[int, int, int]
 """(BLOCK_M (token, head) rows per program, warps, pipeline stages) of one launch."""
@@ -118,7 +118,7 @@ depend on its batches (`warmup`). They only index and mask, so the bits do not c
 
 def split_for(n_tiles: int, kv_heads: int, max_keys: int) -> bool:
     """Whether a launch splits its partitions over programs (the SPLIT variant)."""
-    return triton.cdiv(max_keys, KV_PARTITION) > 1 and n_tiles * kv_heads < SPLIT_BELOW
+    return cdiv(max_keys, KV_PARTITION) > 1 and n_tiles * kv_heads < SPLIT_BELOW
 
 
 @triton.jit
@@ -151,11 +151,12 @@ def _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv
     d = tl.arange(0, D)
     kp = lo + tl.arange(0, BN)
     kp_ok = kp < kv_len
+    pos = kp.to(tl.int32)  # positions are below 2^31: a 32-bit division, not a 64-bit call
     if MASK:
-        page = tl.load(pages_ptr + req * stride_pages + kp // page_size, mask=kp_ok, other=0)
+        page = tl.load(pages_ptr + req * stride_pages + pos // page_size, mask=kp_ok, other=0)
     else:
-        page = tl.load(pages_ptr + req * stride_pages + kp // page_size)
-    row = (kv_base + page.to(tl.int64) * page_size + kp % page_size).to(tl.int64)
+        page = tl.load(pages_ptr + req * stride_pages + pos // page_size)
+    row = kv_base + page.to(tl.int64) * page_size + (pos % page_size).to(tl.int64)
     k_at = k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None]
     v_at = v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :]
     if MASK:
@@ -371,7 +372,7 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
     n_tiles = sched.shape[1]
     if n_tiles == 0 or t == 0:
         return out
-    parts = max(1, triton.cdiv(max_keys, KV_PARTITION))
+    parts = max(1, cdiv(max_keys, KV_PARTITION))
     split = split_for(n_tiles, hkv, max_keys)
     ws = (torch.empty(n_tiles * hkv * parts * bm * (d + 2), dtype=torch.float32,
                       device=q.device) if split else out)  # fmt: skip

@@ -24,6 +24,7 @@ from onpolicy.kernels.autograd import exact_with_native_grad
 from onpolicy.kernels.compose import silu_mul_native
 from onpolicy.kernels.cpu import norm as _torch_norm
 from onpolicy.kernels.cpu import rope as _torch_rope
+from onpolicy.kernels.rules import cdiv, next_power_of_2
 
 
 def _capturing() -> bool:
@@ -32,7 +33,7 @@ def _capturing() -> bool:
 
 def _width_config(width: int) -> tuple[int, int]:
     """(block, warps) for a row of `width`: a function of the width only."""
-    block = triton.next_power_of_2(max(width, 16))
+    block = next_power_of_2(max(width, 16))
     return block, max(1, min(8, block // 256))
 
 
@@ -193,7 +194,7 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
     if t:
         _rope_kernel[(t,)](x, positions.to(x.device).contiguous(), table, out, heads,
                            x.stride(0), x.stride(1), table.stride(0), HALF=half,
-                           HEADS=triton.next_power_of_2(heads))  # fmt: skip
+                           HEADS=next_power_of_2(heads))  # fmt: skip
     return out
 
 
@@ -302,7 +303,7 @@ def _silu_mul_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g, u = gate.contiguous(), up.contiguous()
     out = torch.empty_like(g)
     if g.numel():
-        _silu_mul_kernel[(triton.cdiv(g.numel(), 1024),)](g, u, out, g.numel(), BLOCK=1024)
+        _silu_mul_kernel[(cdiv(g.numel(), 1024),)](g, u, out, g.numel(), BLOCK=1024)
     return out
 
 
@@ -333,7 +334,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise IndexError(f"embedding: token id {int(flat[outside][0])} is outside the vocab of {v}")
     out = torch.empty(flat.numel(), h, dtype=weight.dtype, device=weight.device)
     if flat.numel():
-        _embedding_kernel[(flat.numel(), triton.cdiv(h, 1024))](
+        _embedding_kernel[(flat.numel(), cdiv(h, 1024))](
             flat.contiguous(), weight.contiguous(), out, h, BLOCK=1024
         )
     return out.view(*ids.shape, h)

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from onpolicy.kernels import autograd as _shared
-from onpolicy.kernels.rules import check_segments
+from onpolicy.kernels.rules import cdiv, check_segments
 from onpolicy.kernels.tree import combine_partials
 
 Tile = tuple[int, int, int, int, int]
@@ -82,7 +82,7 @@ def tile_for(m: int, n: int, segments: int = 1, tma: bool = True) -> Tile:
         return MID_M
     if not tma:
         return LARGE_M_INDEXED if segments == 1 else LARGE_M_SEGMENTED_INDEXED
-    if segments == 1 and triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_WAVES * SMS:
+    if segments == 1 and cdiv(m, 128) * cdiv(n, 256) >= FULL_WAVES * SMS:
         return LARGE_M
     return LARGE_M_SEGMENTED
 
@@ -340,13 +340,13 @@ def tree_mm(
     indexed = grouped or pairs or rows is not None or dst is not None or weight2 is not None
     picked = tile or tile_for(m, n, segments, tma=not indexed)
     bm, bn, bk, warps, stages = launch_tile(picked, x.dtype)
-    n_tiles = tiles[0].numel() if grouped else m if pairs else triton.cdiv(m, bm)
+    n_tiles = tiles[0].numel() if grouped else m if pairs else cdiv(m, bm)
     if m == 0 or n == 0 or n_tiles == 0 or k == 0:
         return out.zero_()
     dummy = out
     seg_k = k // segments
     if _tma_fits(x, weight, indexed, seg_k, bk):
-        _mm_tma_kernel[(n_tiles * triton.cdiv(n, bn),)](
+        _mm_tma_kernel[(n_tiles * cdiv(n, bn),)](
             TensorDescriptor.from_tensor(x, [bm, bk]),
             TensorDescriptor.from_tensor(weight, [bn, bk]), out, m, n, out.stride(0),
             OUT_FP32=out_dtype is None, SEGMENTS=segments, SEG_K=seg_k, BM=bm, BN=bn, BK=bk,
@@ -360,7 +360,7 @@ def tree_mm(
             raise ValueError("linear: weight2 must have weight's shape and strides")
         if out2 is None:
             out2 = torch.empty_like(out)
-    _mm_kernel[((2 if dual else 1) * n_tiles * triton.cdiv(n, bn),)](
+    _mm_kernel[((2 if dual else 1) * n_tiles * cdiv(n, bn),)](
         x, weight, weight2 if dual else weight, out, out2 if dual else out,
         rows if rows is not None else dummy, dst if dst is not None else dummy,
         te, ts, tend, m, n, x.stride(0), weight.stride(0) if grouped or pairs else 0,

@@ -33,7 +33,7 @@ from onpolicy.kernels.compose import route_from_logits
 from onpolicy.kernels.cuda import linear as _linear
 from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda.linear import linear, tree_mm
-from onpolicy.kernels.rules import check_segments, is_power_of_2
+from onpolicy.kernels.rules import cdiv, check_segments, is_power_of_2, next_power_of_2
 
 __all__ = ["combine", "expert_outputs", "route"]
 
@@ -151,7 +151,7 @@ def _combine_exact(outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     if t and h:
         _combine_kernel[(t,)](
             out, outputs.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
-            h, K=k, BH=min(1024, triton.next_power_of_2(h)), num_warps=4,
+            h, K=k, BH=min(1024, next_power_of_2(h)), num_warps=4,
             enable_fp_fusion=False,
         )  # fmt: skip
     return out
@@ -186,7 +186,7 @@ def _tiles(expert_of_pair: torch.Tensor, num_experts: int, bm: int):
     starts = torch.cumsum(counts, 0) - counts
     per = (counts + bm - 1) // bm
     first = torch.cumsum(per, 0) - per
-    slots = torch.arange(triton.cdiv(n, bm) + num_experts, device=counts.device)
+    slots = torch.arange(cdiv(n, bm) + num_experts, device=counts.device)
     e = torch.searchsorted(torch.cumsum(per, 0), slots, right=True)
     ec = e.clamp(max=num_experts - 1)
     tile_start = starts[ec] + (slots - first[ec]) * bm

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from onpolicy.kernels.cpu.noise import MIX, NOISE_BITS
+from onpolicy.kernels.rules import cdiv
 
 BLOCK = 1024
 """Columns per program."""
@@ -44,7 +45,7 @@ def uniform_noise(words: torch.Tensor, vocab: int) -> torch.Tensor:
     words = words.contiguous()
     out = torch.empty(words.shape[0], vocab, dtype=torch.float32, device=words.device)
     if out.numel():
-        _noise_kernel[(words.shape[0], triton.cdiv(vocab, BLOCK))](
+        _noise_kernel[(words.shape[0], cdiv(vocab, BLOCK))](
             words, out, vocab, M0=MIX[0], M1=MIX[1], BITS=NOISE_BITS, BLOCK=BLOCK
         )
     return out
