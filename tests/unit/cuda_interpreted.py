@@ -385,6 +385,46 @@ def unmasked_blocks_give_the_masked_bits() -> None:
         attention.MASK_EVERY_BLOCK = None
 
 
+@check
+def prefetched_loads_give_the_one_loop_bits() -> None:
+    """Loads issued one block ahead (`PREFETCH`) give the one loop's bits: decode and chunked
+    prefill over pages (unused slots NaN, so a load past a request's keys would show), packed
+    prefill, fused and split over 128-key partitions. Control: a key of a partition's last
+    block changed moves the output."""
+    q, k, v = randn(300, 4, 16, seed=8), randn(300, 2, 16, seed=80), randn(300, 2, 16, seed=81)
+    page = 16
+    table = torch.randperm(20, generator=torch.Generator().manual_seed(82))[: -(-300 // page)]
+    kp = torch.full((20, page, 2, 16), float("nan"))
+    vp = torch.full((20, page, 2, 16), float("nan"))
+    pos = torch.arange(300)
+    kp[table[pos // page], pos % page], vp[table[pos // page], pos % page] = k, v
+
+    def launches():
+        out = []
+        for split_below in (0, 1 << 30):
+            attention.SPLIT_BELOW = split_below
+            out.append(attention.attention(q, k, v, [0, 130, 135, 300]))
+            batch = PagedBatch([0, 1, 2, 33], [table, table, table], [1, 200, 300])
+            out.append(attention.paged_attention(q[[0, 199, *range(269, 300)]], kp, vp, batch))
+        return out
+
+    saved = attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION
+    try:
+        attention.FORCE, attention.KV_PARTITION = (16, 8, 2), 128
+        attention.PREFETCH = False
+        plain = launches()
+        attention.PREFETCH = True
+        ahead = launches()
+        for i, (a, b) in enumerate(zip(ahead, plain, strict=True)):
+            assert_bitwise(a, b, f"launch {i}")
+        k[127, 1, 5] += 1.0
+        kp[table[127 // page], 127 % page] = k[127]
+        differ(launches()[1][1], ahead[1][1], "key 127 changed")
+    finally:
+        attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION = saved
+        attention.PREFETCH = None
+
+
 def swiglu_ref(x, ids, wg, wu, wd):
     """(out [T, k, H], bound) in float64 for each (token, slot)'s expert, x fp32.
     gate, up: dot bounds Bg, Bu. h = silu(g) up in fp32 (exp, +1, /, *): with |silu'| <= 1.1

@@ -21,6 +21,7 @@ NAMES = [
     "a_paged_batch_derives_its_schedule_once",
     "packed_sequences_do_not_see_each_other",
     "unmasked_blocks_give_the_masked_bits",
+    "prefetched_loads_give_the_one_loop_bits",
     "moe_grouped_rows_equal_linear_per_expert",
     "row_kernels_are_row_independent_and_match_the_cpu_backend",
     "logprobs_vocab_parallel_equal_full",

@@ -102,7 +102,7 @@ def _attention(dtype, tile, split, group, head_dim, mask_all, specialized):
              "LOG_BN": KV_BLOCK.bit_length() - 1, "P": A.KV_PARTITION, "SPLIT": split,
              "IEEE": dtype == "fp32", "PLAIN": False,
              "MASK_ALL": A.masks_every_block(bm, dtype == "fp32") if mask_all is None
-             else mask_all}  # fmt: skip
+             else mask_all, "PREFETCH": A.prefetches(tile, dtype == "fp32")}  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
     return _build(A._attn_kernel, sig, const, options, ints if specialized else None)
 

@@ -336,6 +336,30 @@ def masks(dev: torch.device) -> None:
                   f"{t * 1e3:.1f} us {same(out, ref)}")  # fmt: skip
 
 
+def prefetch(dev: torch.device) -> None:
+    """Decode with each key block's loads issued one block ahead against one loop
+    (`PREFETCH` True and False), at the two decode tiles, as graphs of the kernels alone over
+    paged caches; the bits must be the same."""
+    hq, hkv, _ = HEADS
+    for ctx in (512, 4096):
+        for b in (1, 8, 64, 512):
+            q, kp, vp, (cu, table, lens) = paged(dev, b, ctx)
+            ref = K.paged_attention(q, kp, vp, K.PagedBatch(cu, table, lens))
+            default = A.tile_for(b * hq // hkv, b)
+            for tile in (A.DECODE_FEW, A.DECODE):
+                for on in (False, True):
+                    if on and tile[1] < A.PREFETCH_MIN_WARPS:
+                        continue  # spills (PREFETCH_MIN_WARPS)
+                    with setting(A, FORCE=tile, PREFETCH=on):
+                        batch = K.PagedBatch(cu, table, lens)
+                        K.paged_attention(q, kp, vp, batch)
+                        g, out = captured(partial(K.paged_attention, q, kp, vp, batch))
+                        t = ms(g.replay)
+                    mark = " (default tile)" * (tile == default)
+                    print(f"decode B={b} ctx={ctx} {tile}{mark}, prefetch {on}: "
+                          f"{t * 1e3:.1f} us {same(out, ref)}", flush=True)  # fmt: skip
+
+
 def moe(dev: torch.device) -> None:
     e, h, i, top = 128, 2048, 768, 8
     gate = torch.randn(e, h, device=dev, dtype=DTYPE) * h**-0.5
@@ -419,7 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     families = {"gemm": gemm, "decode_gemm": decode_gemm, "dispatch": dispatch,
-                "attention": attention, "partitions": partitions, "masks": masks, "moe": moe,
+                "attention": attention, "partitions": partitions, "masks": masks,
+                "prefetch": prefetch, "moe": moe,
                 "decode_step": partial(decode_steps, layers=args.layers)}  # fmt: skip
     for name in args.only.split(","):
         families[name](dev)

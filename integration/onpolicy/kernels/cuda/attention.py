@@ -88,6 +88,28 @@ def masks_every_block(rows: int, fp32: bool) -> bool:
     return fp32 or rows < UNMASKED_MIN_ROWS
 
 
+PREFETCH: bool | None = None
+"""Whether launches issue each key block's loads one block ahead (`_prefetched`). None:
+`prefetches` decides; True or False forces it for every tile and dtype (tests and bench: the
+bits must not change)."""
+
+
+PREFETCH_MIN_WARPS = 8
+"""Warps a tile needs to prefetch: the next block's K and V stay in registers beside this
+block's (compiled for sm_90: 204 registers a thread at DECODE_FEW, no spills; 4 warps spill,
+2 warps spill about 3 KiB a thread)."""
+
+
+def prefetches(tile: Tile, fp32: bool) -> bool:
+    """Whether a launch at `tile` issues its loads one block ahead: half-precision tiles of at
+    least PREFETCH_MIN_WARPS warps that run the masked body on every block (decode: few
+    programs, each walking its keys one dependent load after another). fp32 launches (the GPU
+    tests') keep one loop."""
+    if PREFETCH is not None:
+        return PREFETCH
+    return not fp32 and masks_every_block(tile[0], fp32) and tile[1] >= PREFETCH_MIN_WARPS
+
+
 def tile_for(rows: int, requests: int, fp32: bool = False) -> Tile:
     """The tile from what the host knows (no sync): (token, head) rows, requests and dtype.
     Rows never mix inside a product, so any tile gives the same bits."""
@@ -141,6 +163,30 @@ def _columns_tree(v, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr):
 
 
 @triton.jit
+def _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo, limit, BN: tl.constexpr):
+    """The cache rows of keys [lo, lo + BN): each key's page id, then its row; keys at or past
+    `limit` read page 0 (their K and V loads are masked)."""
+    kp = lo + tl.arange(0, BN)
+    pos = kp.to(tl.int32)  # positions are below 2^31: a 32-bit division, not a 64-bit call
+    page = tl.load(pages_ptr + req * stride_pages + pos // page_size, mask=kp < limit, other=0)
+    return kv_base + page.to(tl.int64) * page_size + (pos % page_size).to(tl.int64)
+
+
+@triton.jit
+def _kv(k_ptr, v_ptr, row, lo, limit, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+        D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """K^T [D, BN] and V [BN, D] of keys [lo, lo + BN) at cache rows `row`; zeros at or past
+    `limit`."""
+    d = tl.arange(0, D)
+    ok = lo + tl.arange(0, BN) < limit
+    kt = tl.load(k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None],
+                 mask=ok[None, :], other=0.0)  # fmt: skip
+    vb = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                 mask=ok[:, None], other=0.0)  # fmt: skip
+    return kt, vb
+
+
+@triton.jit
 def _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
            row_ok, lo, kvh, stride_kt, stride_kh, stride_vt, stride_vh, scale, m, lcol, acc,
            D: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
@@ -149,22 +195,24 @@ def _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv
     block is at or before every row's position, so the masks would keep every value and the
     same expressions give the same bits without them."""
     d = tl.arange(0, D)
-    kp = lo + tl.arange(0, BN)
-    kp_ok = kp < kv_len
-    pos = kp.to(tl.int32)  # positions are below 2^31: a 32-bit division, not a 64-bit call
     if MASK:
-        page = tl.load(pages_ptr + req * stride_pages + pos // page_size, mask=kp_ok, other=0)
+        row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo, kv_len, BN)
+        kt, vb = _kv(k_ptr, v_ptr, row, lo, kv_len, kvh, stride_kt, stride_kh, stride_vt,
+                     stride_vh, D, BN)  # fmt: skip
     else:
+        pos = (lo + tl.arange(0, BN)).to(tl.int32)
         page = tl.load(pages_ptr + req * stride_pages + pos // page_size)
-    row = kv_base + page.to(tl.int64) * page_size + (pos % page_size).to(tl.int64)
-    k_at = k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None]
-    v_at = v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :]
-    if MASK:
-        kt = tl.load(k_at, mask=kp_ok[None, :], other=0.0)
-        vb = tl.load(v_at, mask=kp_ok[:, None], other=0.0)
-    else:
-        kt = tl.load(k_at)
-        vb = tl.load(v_at)
+        row = kv_base + page.to(tl.int64) * page_size + (pos % page_size).to(tl.int64)
+        kt = tl.load(k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None])
+        vb = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+    return _fold(q, kt, vb, kv_len, q_pos, row_ok, lo, scale, m, lcol, acc, BN, IEEE, MASK)
+
+
+@triton.jit
+def _fold(q, kt, vb, kv_len, q_pos, row_ok, lo, scale, m, lcol, acc, BN: tl.constexpr,
+          IEEE: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
+    """Steps 1 to 4 of the module's doc for the block of keys [lo, lo + BN), loaded."""
+    kp = lo + tl.arange(0, BN)
     if IEEE:
         s = tl.dot(q, kt, input_precision="ieee") * scale
     else:
@@ -193,31 +241,63 @@ def _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv
 
 
 @triton.jit
+def _prefetched(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
+                q_pos, row_ok, lo0, hi, kvh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
+                m, lcol, acc, D: tl.constexpr, BN: tl.constexpr,
+                IEEE: tl.constexpr):  # fmt: skip
+    """The masked blocks of [lo0, hi) with their loads issued ahead: the next block's K and V
+    and the one after's page ids are in flight while a block's products run (an indirect
+    load, which Triton's pipeliner leaves in place at decode's depths). A block that is
+    folded loads exactly what `_block` loads; the loads past the last block are masked off."""
+    row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo0, kv_len, BN)
+    kt, vb = _kv(k_ptr, v_ptr, row, lo0, kv_len, kvh, stride_kt, stride_kh, stride_vt,
+                 stride_vh, D, BN)  # fmt: skip
+    lim = tl.where(lo0 + BN < hi, kv_len, 0)
+    row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo0 + BN, lim, BN)
+    for lo in range(lo0, hi, BN):
+        lim = tl.where(lo + BN < hi, kv_len, 0)
+        kt_next, vb_next = _kv(k_ptr, v_ptr, row, lo + BN, lim, kvh, stride_kt, stride_kh,
+                               stride_vt, stride_vh, D, BN)  # fmt: skip
+        lim = tl.where(lo + 2 * BN < hi, kv_len, 0)
+        row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo + 2 * BN, lim, BN)
+        m, lcol, acc = _fold(q, kt, vb, kv_len, q_pos, row_ok, lo, scale, m, lcol, acc, BN,
+                             IEEE, True)  # fmt: skip
+        kt, vb = kt_next, vb_next
+    return m, lcol, acc
+
+
+@triton.jit
 def _partition(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
                q_pos, row_ok, first_pos, lo0, hi, kvh, stride_kt, stride_kh, stride_vt,
                stride_vh, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                LOG_BN: tl.constexpr, IEEE: tl.constexpr, PLAIN: tl.constexpr,
-               MASK_ALL: tl.constexpr):  # fmt: skip
+               MASK_ALL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     """The state (m, l, acc) of keys [lo0, hi) for each row, from (-inf, 0, 0). The blocks
     that end at or before the tile's first row (`first_pos`, the smallest position) need no
     mask; the causal edge's blocks (one or two in prefill, the last in decode) do."""
     m = tl.full((BM,), float("-inf"), tl.float32)
     lcol = tl.zeros((BM, BN), tl.float32)  # the denominator, per key column of the block
     acc = tl.zeros((BM, D), tl.float32)
-    if MASK_ALL:  # the masked body everywhere (`masks_every_block`), the same bits
-        mid = lo0
+    if PREFETCH:  # the masked body on every block, its loads one block ahead
+        m, lcol, acc = _prefetched(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size,
+                                   kv_base, kv_len, q_pos, row_ok, lo0, hi, kvh, stride_kt,
+                                   stride_kh, stride_vt, stride_vh, scale, m, lcol, acc, D,
+                                   BN, IEEE)  # fmt: skip
     else:
-        mid = tl.minimum(lo0 + tl.maximum(first_pos + 1 - lo0, 0) // BN * BN, hi)
-    for lo in range(lo0, mid, BN):
-        m, lcol, acc = _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size,
-                              kv_base, kv_len, q_pos, row_ok, lo, kvh, stride_kt, stride_kh,
-                              stride_vt, stride_vh, scale, m, lcol, acc, D, BN, IEEE,
-                              False)  # fmt: skip
-    for lo in range(mid, hi, BN):
-        m, lcol, acc = _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size,
-                              kv_base, kv_len, q_pos, row_ok, lo, kvh, stride_kt, stride_kh,
-                              stride_vt, stride_vh, scale, m, lcol, acc, D, BN, IEEE,
-                              True)  # fmt: skip
+        if MASK_ALL:  # the masked body everywhere (`masks_every_block`), the same bits
+            mid = lo0
+        else:
+            mid = tl.minimum(lo0 + tl.maximum(first_pos + 1 - lo0, 0) // BN * BN, hi)
+        for lo in range(lo0, mid, BN):
+            m, lcol, acc = _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size,
+                                  kv_base, kv_len, q_pos, row_ok, lo, kvh, stride_kt,
+                                  stride_kh, stride_vt, stride_vh, scale, m, lcol, acc, D, BN,
+                                  IEEE, False)  # fmt: skip
+        for lo in range(mid, hi, BN):
+            m, lcol, acc = _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size,
+                                  kv_base, kv_len, q_pos, row_ok, lo, kvh, stride_kt,
+                                  stride_kh, stride_vt, stride_vh, scale, m, lcol, acc, D, BN,
+                                  IEEE, True)  # fmt: skip
     if PLAIN:  # the test-only control: an order the layout picks
         return m, tl.sum(lcol, 1), acc
     return m, _columns_tree(lcol, BM, BN, LOG_BN), acc
@@ -229,7 +309,7 @@ def _attn_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     scale, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     LOG_BN: tl.constexpr, P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PLAIN: tl.constexpr, MASK_ALL: tl.constexpr,
+    PLAIN: tl.constexpr, MASK_ALL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pid, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     req = tl.load(sched_ptr + pid)  # the schedule: 6 rows of n_tiles int64 (see _schedule)
@@ -257,7 +337,7 @@ def _attn_kernel(
         m, denom, acc = _partition(
             q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len, q_pos,
             row_ok, first_pos, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt, stride_kh,
-            stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN, MASK_ALL,
+            stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN, MASK_ALL, PREFETCH,
         )  # fmt: skip
         at = ((pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + part).to(tl.int64)
         st = ws_ptr + at * BM * (D + 2)
@@ -278,6 +358,7 @@ def _attn_kernel(
                 q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv_len,
                 q_pos, row_ok, first_pos, lo0, tl.minimum(lo0 + P, hi), kvh, stride_kt,
                 stride_kh, stride_vt, stride_vh, scale, D, BM, BN, LOG_BN, IEEE, PLAIN, MASK_ALL,
+                PREFETCH,
             )  # fmt: skip
             m_j, denom_j, acc_j = _merge(m, denom, acc, m_p, denom_p, acc_p)
             sees = q_pos >= lo0
@@ -385,7 +466,7 @@ def _launch(q, k_rows, v_rows, sched, pages, page_size, scale, max_keys: int, ti
         v_rows.stride(0), v_rows.stride(1), out.stride(0), out.stride(1),
         scale, BN=KV_BLOCK, LOG_BN=KV_BLOCK.bit_length() - 1, P=KV_PARTITION, SPLIT=split,
         IEEE=fp32, PLAIN=PLAIN_DENOMINATOR, MASK_ALL=mask_all,
-        num_stages=stages, **common,
+        PREFETCH=prefetches(tile, fp32), num_stages=stages, **common,
     )  # fmt: skip
     if split:
         _merge_kernel[(n_tiles, hkv)](
