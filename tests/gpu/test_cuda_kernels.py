@@ -255,6 +255,38 @@ def test_attention_split_and_fused_partitions_give_the_same_bits(schedule, dtype
     assert not torch.equal(K.attention(q, k, v, [0, n]), fused), "256-key partitions"
 
 
+def test_moe_rows_equal_silu_mul_then_linear_per_expert():
+    """Qwen3-30B-A3B's MoE shape in bf16: each (token, slot) of the small and the sorted
+    schedule, whose down projection computes SiLU-mul as it loads its rows, gives the bits of
+    `linear`, `silu_mul` and `linear` on that row alone. Control: torch's bf16 SiLU-mul (each
+    step rounded to bf16) in the same composition moves some rows' bits."""
+    e, h, i = 128, 2048, 768
+    gate = wide(e, h, seed=16, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
+    wg, wu = (wide(e, i, h, seed=17 + j, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
+              for j in range(2))  # fmt: skip
+    wd = wide(e, h, i, seed=19, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-5
+    x = wide(600, h, seed=20, dtype=torch.bfloat16, spread=2, device="cuda")
+    ids, _ = K.moe_route(x, gate, 8)
+    outs = {"sorted": K.moe_expert_outputs(x, ids, wg, wu, wd),
+            "small": K.moe_expert_outputs(x[:4], ids[:4], wg, wu, wd)}  # fmt: skip
+    assert ids.numel() > M.SMALL_PAIRS >= 4 * 8
+
+    def per_expert(tok, slot, silu_mul):
+        ex, row = int(ids[tok, slot]), x[tok : tok + 1]
+        hid = silu_mul(K.linear(row, wg[ex]), K.linear(row, wu[ex]))
+        return K.linear(hid, wd[ex])[0]
+
+    moved = 0
+    for name, out in outs.items():
+        for tok in (0, 3) if name == "small" else (0, 250, 599):
+            for slot in range(8):
+                assert_bitwise(out[tok, slot], per_expert(tok, slot, K.silu_mul),
+                               f"{name}: token {tok} slot {slot}")  # fmt: skip
+                plain = per_expert(tok, slot, lambda g, u: torch.nn.functional.silu(g) * u)
+                moved += not torch.equal(out[tok, slot], plain)
+    assert moved, "torch's bf16 SiLU-mul gave the same bits everywhere: the test cannot fail"
+
+
 def test_moe_small_batch_schedule_equals_the_sorted_one():
     """Qwen3-30B-A3B's MoE shape: tokens alone (one tile per pair, unsorted) give their bits
     in a batch of 600 (sorted by expert), also with local experts."""

@@ -48,7 +48,7 @@ def compile_variant(dtype: str, tile: tuple[int, int, int, int, int], segments: 
     fp32 = dtype == "fp32"
     ptr = "*fp32" if fp32 else "*bf16"
     sig = dict.fromkeys(L._mm_kernel.arg_names, "constexpr")
-    sig |= dict.fromkeys(("x_ptr", "w_ptr", "w2_ptr"), ptr)
+    sig |= dict.fromkeys(("x_ptr", "u_ptr", "w_ptr", "w2_ptr"), ptr)
     sig |= dict.fromkeys(("out_ptr", "out2_ptr"), "*fp32")
     sig |= dict.fromkeys(("rows_ptr", "dst_ptr", "tile_expert_ptr", "tile_start_ptr",
                           "tile_end_ptr"), "*i64")  # fmt: skip
@@ -59,7 +59,7 @@ def compile_variant(dtype: str, tile: tuple[int, int, int, int, int], segments: 
     const = {"GATHER": False, "SCATTER": False, "GROUPED": False, "PAIRS": False, "ROW_DIV": 1,
              "DUAL": False, "OUT_FP32": True, "SEGMENTS": segments, "SEG_K": seg_k,
              "EVEN": seg_k % bk == 0, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8,
-             "IEEE": fp32, "SEAL": True}  # fmt: skip
+             "IEEE": fp32, "SEAL": True, "SWIGLU": False}  # fmt: skip
     return _compile(L._mm_kernel, sig, const, {"num_warps": warps, "num_stages": stages}, spec)
 
 

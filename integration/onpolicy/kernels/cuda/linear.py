@@ -164,22 +164,34 @@ def _sealed(c, SEAL: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(g, u):
+    """silu(g) * u in fp32, rounded to g's dtype: `elementwise._silu_mul_kernel`'s steps."""
+    gf = g.to(tl.float32)
+    return (gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def _segment(
-    x_rows, w_cols, m_ok, n_ok, k0, seg_k: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, SEAL: tl.constexpr,
+    x_rows, u_rows, w_cols, m_ok, n_ok, k0, seg_k: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+    SEAL: tl.constexpr, SWIGLU: tl.constexpr,
 ):  # fmt: skip
-    """One segment [k0, k0 + seg_k): its chunks' products chained from zero."""
+    """One segment [k0, k0 + seg_k): its chunks' products chained from zero. SWIGLU: x is the
+    gate, and a row's chunk is silu(gate) * up, rounded as `silu_mul` rounds it."""
     rk = tl.arange(0, BK)
     c = tl.zeros((BM, BN), dtype=tl.float32)
     for j in range(0, seg_k, BK):
         kk = k0 + j + rk
         if EVEN:
-            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            a_ok = m_ok[:, None]
             b = tl.load(w_cols + kk[:, None], mask=n_ok[None, :], other=0.0)
         else:
             k_ok = j + rk < seg_k
-            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a_ok = m_ok[:, None] & k_ok[None, :]
             b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a = tl.load(x_rows + kk[None, :], mask=a_ok, other=0.0)
+        if SWIGLU:
+            a = _swiglu(a, tl.load(u_rows + kk[None, :], mask=a_ok, other=0.0))
         if IEEE:
             c = tl.dot(a, b, c, input_precision="ieee")
         else:
@@ -235,13 +247,13 @@ def _mm_tma_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
-    x_ptr, w_ptr, w2_ptr, out_ptr, out2_ptr, rows_ptr, dst_ptr, tile_expert_ptr,
+    x_ptr, u_ptr, w_ptr, w2_ptr, out_ptr, out2_ptr, rows_ptr, dst_ptr, tile_expert_ptr,
     tile_start_ptr, tile_end_ptr, M, N, stride_xm, stride_we, stride_wn, stride_om, n_experts,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, GROUPED: tl.constexpr, PAIRS: tl.constexpr,
     ROW_DIV: tl.constexpr, DUAL: tl.constexpr, OUT_FP32: tl.constexpr,
     SEGMENTS: tl.constexpr, SEG_K: tl.constexpr, EVEN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr, SEAL: tl.constexpr,
+    IEEE: tl.constexpr, SEAL: tl.constexpr, SWIGLU: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BN)
@@ -284,14 +296,16 @@ def _mm_kernel(
     else:
         src = rm // ROW_DIV
     x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
+    u_rows = u_ptr + src.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     s0, s1, s2, s3, s4, s5 = zero, zero, zero, zero, zero, zero
     for j in tl.static_range(SEGMENTS - 1):
-        c = _segment(x_rows, w_cols, m_ok, n_ok, j * SEG_K, SEG_K, BM, BN, BK, EVEN, IEEE, SEAL)
+        c = _segment(x_rows, u_rows, w_cols, m_ok, n_ok, j * SEG_K, SEG_K, BM, BN, BK, EVEN,
+                     IEEE, SEAL, SWIGLU)  # fmt: skip
         s0, s1, s2, s3, s4, s5 = _push(c, s0, s1, s2, s3, s4, s5, j)
-    c = _segment(x_rows, w_cols, m_ok, n_ok, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK, EVEN,
-                 IEEE, SEAL)  # fmt: skip
+    c = _segment(x_rows, u_rows, w_cols, m_ok, n_ok, (SEGMENTS - 1) * SEG_K, SEG_K, BM, BN, BK,
+                 EVEN, IEEE, SEAL, SWIGLU)  # fmt: skip
     acc = _root(c, s0, s1, s2, s3, s4, s5, SEGMENTS - 1)
     dst = tl.load(dst_ptr + rm, mask=m_ok, other=0) if SCATTER else rm
     out = out_ptr + dst.to(tl.int64)[:, None] * stride_om + rn[None, :]
@@ -308,6 +322,7 @@ def tree_mm(
     out_rows: int | None = None, tile: Tile | None = None, dst: torch.Tensor | None = None,
     out: torch.Tensor | None = None, pair_experts: torch.Tensor | None = None, row_div: int = 1,
     weight2: torch.Tensor | None = None, out2: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight[N, K].T, K in `segments` chained segments added by the tree; fp32
     out unless `out_dtype`.
@@ -319,7 +334,8 @@ def tree_mm(
     Per pair (MoE, small batches): `pair_experts` [out_rows] the expert of each output row, one
     row per M-tile (rows of experts outside [0, E) are not computed), x's row = row // row_div.
     With `weight2` (same shape as weight) and `out2`, one launch also computes x @ weight2.T
-    into out2.
+    into out2. With `up` (x's shape): x is a SwiGLU's gate, and the rows multiplied are
+    silu_mul(x, up)'s, computed as they are loaded (the bits of `silu_mul` then this GEMM).
     """
     k = x.shape[-1]
     if weight.shape[-1] != k:
@@ -328,8 +344,12 @@ def tree_mm(
     if segments > MAX_SEGMENTS:
         raise ValueError(f"linear: segments = {segments}; the kernel unrolls at most "
                          f"{MAX_SEGMENTS}")  # fmt: skip
-    if x.stride(-1) != 1:
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        raise ValueError(f"linear: up {tuple(up.shape)} {up.dtype} must match the gate "
+                         f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
+    if x.stride(-1) != 1 or (up is not None and up.stride() != x.stride()):
         x = x.contiguous()
+        up = None if up is None else up.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     n = weight.shape[-2]
@@ -337,7 +357,8 @@ def tree_mm(
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=out_dtype or torch.float32)
     grouped, pairs = tiles is not None, pair_experts is not None
-    indexed = grouped or pairs or rows is not None or dst is not None or weight2 is not None
+    indexed = (grouped or pairs or rows is not None or dst is not None or weight2 is not None
+               or up is not None)  # fmt: skip
     picked = tile or tile_for(m, n, segments, tma=not indexed)
     bm, bn, bk, warps, stages = launch_tile(picked, x.dtype)
     n_tiles = tiles[0].numel() if grouped else m if pairs else cdiv(m, bm)
@@ -361,15 +382,16 @@ def tree_mm(
         if out2 is None:
             out2 = torch.empty_like(out)
     _mm_kernel[((2 if dual else 1) * n_tiles * cdiv(n, bn),)](
-        x, weight, weight2 if dual else weight, out, out2 if dual else out,
+        x, x if up is None else up, weight, weight2 if dual else weight, out,
+        out2 if dual else out,
         rows if rows is not None else dummy, dst if dst is not None else dummy,
         te, ts, tend, m, n, x.stride(0), weight.stride(0) if grouped or pairs else 0,
         weight.stride(-2), out.stride(0), weight.shape[0] if grouped or pairs else 0,
         GATHER=rows is not None, SCATTER=dst is not None, GROUPED=grouped, PAIRS=pairs,
         ROW_DIV=row_div, DUAL=dual, OUT_FP32=out_dtype is None,
         SEGMENTS=segments, SEG_K=seg_k, EVEN=seg_k % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-        IEEE=x.dtype == torch.float32, SEAL=SEAL and segments > 1, num_warps=warps,
-        num_stages=stages,
+        IEEE=x.dtype == torch.float32, SEAL=SEAL and segments > 1, SWIGLU=up is not None,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
