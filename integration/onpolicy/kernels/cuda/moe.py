@@ -9,9 +9,9 @@ combine.
   (at most SMALL_PAIRS (token, slot) pairs) give every pair its own M-tile, the kernel reading
   the pair's expert from the ids: no sort, only the touched experts' weights are read. Larger
   ones sort the pairs by expert (stably) and cut each expert's rows into tiles. Gate and up
-  are one launch, then the down projection (K in the run's expert segments), which computes
-  silu_mul(gate, up)'s rows as it loads them (`silu_mul`'s steps and rounding) and stores each
-  row at its pair's place.
+  are one launch, then the down projection (K in the run's expert segments), which stores each
+  row at its pair's place; up to SWIGLU_ON_LOAD_MAX_PAIRS pairs it computes silu_mul(gate,
+  up)'s rows as it loads them (`silu_mul`'s steps and rounding), above it reads `silu_mul`'s.
 - Combine: one program per token (`_combine_kernel`): the slots in ascending expert-id order,
   weight * output in fp32, the pairwise tree of 1, 2, 4 or 8 terms written out, rounded once:
   the CPU backend's torch ops, step for step. Merge: the shared selection.
@@ -32,6 +32,7 @@ from onpolicy.kernels.autograd import exact_with_native_grad
 from onpolicy.kernels.compose import combine as _torch_combine
 from onpolicy.kernels.compose import route_from_logits
 from onpolicy.kernels.cuda import linear as _linear
+from onpolicy.kernels.cuda.elementwise import silu_mul
 from onpolicy.kernels.cuda.linear import linear, tree_mm
 from onpolicy.kernels.rules import cdiv, check_segments, is_power_of_2, next_power_of_2
 
@@ -40,6 +41,11 @@ __all__ = ["combine", "expert_outputs", "route"]
 
 SMALL_PAIRS = 64
 """Up to this many (token, slot) pairs, each pair is its own M-tile (decode-sized batches)."""
+
+SWIGLU_ON_LOAD_MAX_PAIRS = 1 << 62
+"""Up to this many pairs the down projection computes SiLU-mul as it loads its rows; above, the
+`silu_mul` kernel writes them first (every N-tile of the GEMM repeats the SiLU of its rows).
+Either gives the same bits; the bench sets it to compare."""
 
 SMALL_TILE = (16, 64, 128, 4, 4)
 """The per-pair tile: 16 rows (one used), as few as the tensor core takes. Same bits as any
@@ -246,6 +252,14 @@ def _is_local(ids: torch.Tensor, local_experts: Sequence[int], num_experts: int)
     return mask[ids]
 
 
+def _down_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The down projection's operand: the gate with `up` to combine on load, or silu_mul's
+    rows written out (SWIGLU_ON_LOAD_MAX_PAIRS)."""
+    if gate.shape[0] <= SWIGLU_ON_LOAD_MAX_PAIRS:
+        return gate, {"up": up}
+    return silu_mul(gate, up), {}
+
+
 def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segments):
     t, k = topk_ids.shape
     num_experts, hidden = w_gate.shape[0], w_down.shape[1]
@@ -262,7 +276,8 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
     if n <= SMALL_PAIRS:  # one M-tile per pair, in pair order: no sort, no scatter
         mm = partial(tree_mm, out_dtype=x.dtype, pair_experts=ids, out_rows=n, tile=SMALL_TILE)
         up = mm(x, w_up, row_div=k, weight2=w_gate, out2=gate)  # gate and up in one launch
-        mm(gate, w_down, segments=segments, out=out, up=up)
+        h, on_load = _down_rows(gate, up)
+        mm(h, w_down, segments=segments, out=out, **on_load)
         return out.view(t, k, hidden)
     tile = _linear.tile_for(n, w_gate.shape[1], segments, tma=False)
     order, tiles = _tiles(ids, num_experts, tile[0])
@@ -270,5 +285,6 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
     mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=tile)
     up = mm(x, w_up, rows=rows, weight2=w_gate, out2=gate)
     # Each row is stored straight to its pair's place.
-    mm(gate, w_down, segments=segments, dst=order, out=out, up=up)
+    h, on_load = _down_rows(gate, up)
+    mm(h, w_down, segments=segments, dst=order, out=out, **on_load)
     return out.view(t, k, hidden)
