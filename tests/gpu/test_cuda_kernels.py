@@ -255,11 +255,22 @@ def test_attention_split_and_fused_partitions_give_the_same_bits(schedule, dtype
     assert not torch.equal(K.attention(q, k, v, [0, n]), fused), "256-key partitions"
 
 
-def test_moe_rows_equal_silu_mul_then_linear_per_expert():
+@pytest.mark.parametrize("on_load", [True, False])
+def test_moe_rows_equal_silu_mul_then_linear_per_expert(on_load):
     """Qwen3-30B-A3B's MoE shape in bf16: each (token, slot) of the small and the sorted
-    schedule, whose down projection computes SiLU-mul as it loads its rows, gives the bits of
-    `linear`, `silu_mul` and `linear` on that row alone. Control: torch's bf16 SiLU-mul (each
-    step rounded to bf16) in the same composition moves some rows' bits."""
+    schedule, the down projection computing SiLU-mul as it loads its rows (`on_load`) or
+    reading `silu_mul`'s, gives the bits of `linear`, `silu_mul` and `linear` on that row
+    alone. Control: torch's bf16 SiLU-mul (each step rounded to bf16) in the same composition
+    moves some rows' bits."""
+    saved = M.SWIGLU_ON_LOAD_MAX_PAIRS
+    M.SWIGLU_ON_LOAD_MAX_PAIRS = 1 << 62 if on_load else 0
+    try:
+        _moe_rows_equal_silu_mul_then_linear()
+    finally:
+        M.SWIGLU_ON_LOAD_MAX_PAIRS = saved
+
+
+def _moe_rows_equal_silu_mul_then_linear():
     e, h, i = 128, 2048, 768
     gate = wide(e, h, seed=16, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
     wg, wu = (wide(e, i, h, seed=17 + j, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
