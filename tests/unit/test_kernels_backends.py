@@ -50,3 +50,15 @@ def test_missing_primitive_names_the_op_and_the_device(monkeypatch):
     monkeypatch.delattr(cpu_ops, "combine")
     with pytest.raises(NotImplementedError, match=r"onpolicy\.kernels\.moe_combine: .*'cpu'"):
         K.moe_combine(torch.zeros(2, 1, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
+
+
+def test_host_launch_arithmetic_is_tritons():
+    """`rules.cdiv` and `rules.next_power_of_2` (plain host functions, where Triton's are
+    constexpr functions costing about 2 us a host call) give Triton's values."""
+    import triton
+    from onpolicy.kernels.rules import cdiv, next_power_of_2
+
+    for a in range(0, 600):
+        assert next_power_of_2(a + 1) == triton.next_power_of_2(a + 1), a + 1
+        for b in (1, 2, 3, 16, 64, 127, 128, 1024):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
