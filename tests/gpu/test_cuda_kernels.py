@@ -188,16 +188,17 @@ def test_unmasked_blocks_give_the_masked_bits(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefetched_loads_give_the_one_loop_bits(dtype):
     """Key blocks loaded one block ahead (`PREFETCH`, forced on and off at the 8-warp decode
-    tile, which takes it by default in bf16) give the one loop's bits, on the packed prefill
+    tile, the one `prefetches` picks in bf16) give the one loop's bits, on the packed prefill
     and the paged decode. Control: the tile test's negative control shows the harness sees a
     moved bit."""
+    saved = A.PREFETCH
     try:
         A.PREFETCH = False
         ref, dec_ref = _attention_at(A.DECODE_FEW, dtype)
         A.PREFETCH = True
         got, dec = _attention_at(A.DECODE_FEW, dtype)
     finally:
-        A.PREFETCH = None
+        A.PREFETCH = saved
     assert_bitwise(got, ref, "prefill")
     assert_bitwise(dec, dec_ref, "decode")
 

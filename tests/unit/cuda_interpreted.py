@@ -408,7 +408,7 @@ def prefetched_loads_give_the_one_loop_bits() -> None:
             out.append(attention.paged_attention(q[[0, 199, *range(269, 300)]], kp, vp, batch))
         return out
 
-    saved = attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION
+    saved = attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION, attention.PREFETCH
     try:
         attention.FORCE, attention.KV_PARTITION = (16, 8, 2), 128
         attention.PREFETCH = False
@@ -421,8 +421,7 @@ def prefetched_loads_give_the_one_loop_bits() -> None:
         kp[table[127 // page], 127 % page] = k[127]
         differ(launches()[1][1], ahead[1][1], "key 127 changed")
     finally:
-        attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION = saved
-        attention.PREFETCH = None
+        attention.FORCE, attention.SPLIT_BELOW, attention.KV_PARTITION, attention.PREFETCH = saved
 
 
 def swiglu_ref(x, ids, wg, wu, wd):

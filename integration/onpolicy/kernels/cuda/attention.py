@@ -88,10 +88,11 @@ def masks_every_block(rows: int, fp32: bool) -> bool:
     return fp32 or rows < UNMASKED_MIN_ROWS
 
 
-PREFETCH: bool | None = None
+PREFETCH: bool | None = False
 """Whether launches issue each key block's loads one block ahead (`_prefetched`). None:
 `prefetches` decides; True or False forces it for every tile and dtype (tests and bench: the
-bits must not change)."""
+bits must not change). False until its time is measured on a GPU (`bench.tiles --only
+prefetch`)."""
 
 
 PREFETCH_MIN_WARPS = 8

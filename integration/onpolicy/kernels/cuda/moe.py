@@ -42,10 +42,11 @@ __all__ = ["combine", "expert_outputs", "route"]
 SMALL_PAIRS = 64
 """Up to this many (token, slot) pairs, each pair is its own M-tile (decode-sized batches)."""
 
-SWIGLU_ON_LOAD_MAX_PAIRS = 1 << 62
+SWIGLU_ON_LOAD_MAX_PAIRS = 0
 """Up to this many pairs the down projection computes SiLU-mul as it loads its rows; above, the
-`silu_mul` kernel writes them first (every N-tile of the GEMM repeats the SiLU of its rows).
-Either gives the same bits; the bench sets it to compare."""
+`silu_mul` kernel writes them first. Either gives the same bits. Every N-tile of the GEMM
+repeats the SiLU of its rows (the exp and the division of a 16-row tile's padding rows too),
+so it is 0, the kernel always, until a GPU measures the trade (the bench sets it)."""
 
 SMALL_TILE = (16, 64, 128, 4, 4)
 """The per-pair tile: 16 rows (one used), as few as the tensor core takes. Same bits as any
