@@ -256,6 +256,18 @@ def test_attention_split_and_fused_partitions_give_the_same_bits(schedule, dtype
     assert not torch.equal(K.attention(q, k, v, [0, n]), fused), "256-key partitions"
 
 
+def _qwen3_moe(seed: int) -> tuple[torch.Tensor, ...]:
+    """Qwen3-30B-A3B's MoE in bf16 on the GPU: router, gate, up and down weights (128 experts,
+    2048 -> 768 -> 2048) and 600 tokens, from `seed` on."""
+    e, h, i = 128, 2048, 768
+    gate = wide(e, h, seed=seed, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
+    wg, wu = (wide(e, i, h, seed=seed + 1 + j, dtype=torch.bfloat16, spread=2, device="cuda")
+              * 2**-6 for j in range(2))  # fmt: skip
+    wd = wide(e, h, i, seed=seed + 3, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-5
+    x = wide(600, h, seed=seed + 4, dtype=torch.bfloat16, spread=2, device="cuda")
+    return gate, wg, wu, wd, x
+
+
 @pytest.mark.parametrize("on_load", [True, False])
 def test_moe_rows_equal_silu_mul_then_linear_per_expert(on_load):
     """Qwen3-30B-A3B's MoE shape in bf16: each (token, slot) of the small and the sorted
@@ -272,12 +284,7 @@ def test_moe_rows_equal_silu_mul_then_linear_per_expert(on_load):
 
 
 def _moe_rows_equal_silu_mul_then_linear():
-    e, h, i = 128, 2048, 768
-    gate = wide(e, h, seed=16, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
-    wg, wu = (wide(e, i, h, seed=17 + j, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
-              for j in range(2))  # fmt: skip
-    wd = wide(e, h, i, seed=19, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-5
-    x = wide(600, h, seed=20, dtype=torch.bfloat16, spread=2, device="cuda")
+    gate, wg, wu, wd, x = _qwen3_moe(seed=16)
     ids, _ = K.moe_route(x, gate, 8)
     outs = {"sorted": K.moe_expert_outputs(x, ids, wg, wu, wd),
             "small": K.moe_expert_outputs(x[:4], ids[:4], wg, wu, wd)}  # fmt: skip
@@ -302,12 +309,7 @@ def _moe_rows_equal_silu_mul_then_linear():
 def test_moe_small_batch_schedule_equals_the_sorted_one():
     """Qwen3-30B-A3B's MoE shape: tokens alone (one tile per pair, unsorted) give their bits
     in a batch of 600 (sorted by expert), also with local experts."""
-    e, h, i = 128, 2048, 768
-    gate = wide(e, h, seed=6, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
-    wg, wu = (wide(e, i, h, seed=7 + j, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-6
-              for j in range(2))  # fmt: skip
-    wd = wide(e, h, i, seed=9, dtype=torch.bfloat16, spread=2, device="cuda") * 2**-5
-    x = wide(600, h, seed=10, dtype=torch.bfloat16, spread=2, device="cuda")
+    gate, wg, wu, wd, x = _qwen3_moe(seed=6)
     ids, _ = K.moe_route(x, gate, 8)
     assert ids.numel() > M.SMALL_PAIRS >= 8 * 8
     full = K.moe_expert_outputs(x, ids, wg, wu, wd)

@@ -343,6 +343,18 @@ def packed_sequences_do_not_see_each_other() -> None:
     differ(merged[5:75], alone, "one sequence over the first 75 tokens")
 
 
+def nan_pages(k: torch.Tensor, v: torch.Tensor, page: int, seed: int):
+    """(table, k pages, v pages): k and v [T, Hkv, D] copied into shuffled pages of a 20-page
+    cache whose other slots are NaN, so a load past a request's keys would show."""
+    t = k.shape[0]
+    table = torch.randperm(20, generator=torch.Generator().manual_seed(seed))[: -(-t // page)]
+    kp = torch.full((20, page, *k.shape[1:]), float("nan"))
+    vp = torch.full((20, page, *v.shape[1:]), float("nan"))
+    pos = torch.arange(t)
+    kp[table[pos // page], pos % page], vp[table[pos // page], pos % page] = k, v
+    return table, kp, vp
+
+
 @check
 def unmasked_blocks_give_the_masked_bits() -> None:
     """Blocks wholly before a tile's first row skip the causal masks: every launch (packed
@@ -352,11 +364,7 @@ def unmasked_blocks_give_the_masked_bits() -> None:
     q, k, v = wide(300, 4, 16, seed=7), randn(300, 2, 16, seed=70), randn(300, 2, 16, seed=71)
     cu = [0, 130, 135, 300]
     page = 16
-    table = torch.randperm(20, generator=torch.Generator().manual_seed(72))[: -(-300 // page)]
-    kp = torch.full((20, page, 2, 16), float("nan"))
-    vp = torch.full((20, page, 2, 16), float("nan"))
-    pos = torch.arange(300)
-    kp[table[pos // page], pos % page], vp[table[pos // page], pos % page] = k, v
+    table, kp, vp = nan_pages(k, v, page, seed=72)
 
     def launches():
         out = []
@@ -393,11 +401,7 @@ def prefetched_loads_give_the_one_loop_bits() -> None:
     block changed moves the output."""
     q, k, v = randn(300, 4, 16, seed=8), randn(300, 2, 16, seed=80), randn(300, 2, 16, seed=81)
     page = 16
-    table = torch.randperm(20, generator=torch.Generator().manual_seed(82))[: -(-300 // page)]
-    kp = torch.full((20, page, 2, 16), float("nan"))
-    vp = torch.full((20, page, 2, 16), float("nan"))
-    pos = torch.arange(300)
-    kp[table[pos // page], pos % page], vp[table[pos // page], pos % page] = k, v
+    table, kp, vp = nan_pages(k, v, page, seed=82)
 
     def launches():
         out = []
