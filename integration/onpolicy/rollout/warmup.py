@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from onpolicy.kernels.cuda.warmup import request_bounds, warmup_batches
+from onpolicy.kernels.rules import cdiv
 
 NEW_TOKENS = 2
 """Tokens each warm-up prompt generates: one from its extend batch, one from a decode step."""
@@ -102,8 +103,7 @@ def warmup_prompts(model_config: Any, max_tokens: int, seed: int = 0, *, tp: int
         raise ValueError(f"engine warm-up: max_tokens = {max_tokens} and max_prompt = "
                          f"{max_prompt} must be at least 1 token")  # fmt: skip
     # SGLang's LM head pads the vocabulary to a multiple of 64, then shards it over the TP ranks.
-    padded = -(-vocab // 64) * 64
-    lm_cols = -(-padded // tp)
+    lm_cols = cdiv(cdiv(vocab, 64) * 64, tp)
     batches = warmup_batches(max_tokens, top_k, q_per_kv, kv_heads, fp32=fp32,
                              short_bounds=request_bounds(q_per_kv, kv_heads, max_tokens,
                                                          lm_cols, fp32))  # fmt: skip

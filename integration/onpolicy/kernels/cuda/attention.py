@@ -164,26 +164,35 @@ def _columns_tree(v, BM: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr):
 
 
 @triton.jit
-def _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo, limit, BN: tl.constexpr):
-    """The cache rows of keys [lo, lo + BN): each key's page id, then its row; keys at or past
-    `limit` read page 0 (their K and V loads are masked)."""
+def _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo, limit, BN: tl.constexpr,
+             MASK: tl.constexpr):  # fmt: skip
+    """The cache rows of keys [lo, lo + BN): each key's page id, then its row. MASK: keys at
+    or past `limit` read page 0 (their K and V loads are masked); off, every key is read."""
     kp = lo + tl.arange(0, BN)
     pos = kp.to(tl.int32)  # positions are below 2^31: a 32-bit division, not a 64-bit call
-    page = tl.load(pages_ptr + req * stride_pages + pos // page_size, mask=kp < limit, other=0)
+    if MASK:
+        page = tl.load(pages_ptr + req * stride_pages + pos // page_size, mask=kp < limit,
+                       other=0)  # fmt: skip
+    else:
+        page = tl.load(pages_ptr + req * stride_pages + pos // page_size)
     return kv_base + page.to(tl.int64) * page_size + (pos % page_size).to(tl.int64)
 
 
 @triton.jit
 def _kv(k_ptr, v_ptr, row, lo, limit, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-        D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
-    """K^T [D, BN] and V [BN, D] of keys [lo, lo + BN) at cache rows `row`; zeros at or past
-    `limit`."""
+        D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
+    """K^T [D, BN] and V [BN, D] of keys [lo, lo + BN) at cache rows `row`; MASK: zeros at or
+    past `limit`."""
     d = tl.arange(0, D)
-    ok = lo + tl.arange(0, BN) < limit
-    kt = tl.load(k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None],
-                 mask=ok[None, :], other=0.0)  # fmt: skip
-    vb = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                 mask=ok[:, None], other=0.0)  # fmt: skip
+    k_at = k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None]
+    v_at = v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :]
+    if MASK:
+        ok = lo + tl.arange(0, BN) < limit
+        kt = tl.load(k_at, mask=ok[None, :], other=0.0)
+        vb = tl.load(v_at, mask=ok[:, None], other=0.0)
+    else:
+        kt = tl.load(k_at)
+        vb = tl.load(v_at)
     return kt, vb
 
 
@@ -195,22 +204,14 @@ def _block(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_base, kv
     """One KV_BLOCK of keys from `lo` folded into (m, lcol, acc). MASK off: every key of the
     block is at or before every row's position, so the masks would keep every value and the
     same expressions give the same bits without them."""
-    d = tl.arange(0, D)
-    if MASK:
-        row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo, kv_len, BN)
-        kt, vb = _kv(k_ptr, v_ptr, row, lo, kv_len, kvh, stride_kt, stride_kh, stride_vt,
-                     stride_vh, D, BN)  # fmt: skip
-    else:
-        pos = (lo + tl.arange(0, BN)).to(tl.int32)
-        page = tl.load(pages_ptr + req * stride_pages + pos // page_size)
-        row = kv_base + page.to(tl.int64) * page_size + (pos % page_size).to(tl.int64)
-        kt = tl.load(k_ptr + row[None, :] * stride_kt + kvh * stride_kh + d[:, None])
-        vb = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :])
-    return _fold(q, kt, vb, kv_len, q_pos, row_ok, lo, scale, m, lcol, acc, BN, IEEE, MASK)
+    row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo, kv_len, BN, MASK)
+    kt, vb = _kv(k_ptr, v_ptr, row, lo, kv_len, kvh, stride_kt, stride_kh, stride_vt,
+                 stride_vh, D, BN, MASK)  # fmt: skip
+    return _fold(q, kt, vb, q_pos, row_ok, lo, scale, m, lcol, acc, BN, IEEE, MASK)
 
 
 @triton.jit
-def _fold(q, kt, vb, kv_len, q_pos, row_ok, lo, scale, m, lcol, acc, BN: tl.constexpr,
+def _fold(q, kt, vb, q_pos, row_ok, lo, scale, m, lcol, acc, BN: tl.constexpr,
           IEEE: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
     """Steps 1 to 4 of the module's doc for the block of keys [lo, lo + BN), loaded."""
     kp = lo + tl.arange(0, BN)
@@ -250,19 +251,20 @@ def _prefetched(q, k_ptr, v_ptr, pages_ptr, req, stride_pages, page_size, kv_bas
     and the one after's page ids are in flight while a block's products run (an indirect
     load, which Triton's pipeliner leaves in place at decode's depths). A block that is
     folded loads exactly what `_block` loads; the loads past the last block are masked off."""
-    row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo0, kv_len, BN)
+    row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo0, kv_len, BN, True)
     kt, vb = _kv(k_ptr, v_ptr, row, lo0, kv_len, kvh, stride_kt, stride_kh, stride_vt,
-                 stride_vh, D, BN)  # fmt: skip
+                 stride_vh, D, BN, True)  # fmt: skip
     lim = tl.where(lo0 + BN < hi, kv_len, 0)
-    row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo0 + BN, lim, BN)
+    row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo0 + BN, lim, BN, True)
     for lo in range(lo0, hi, BN):
         lim = tl.where(lo + BN < hi, kv_len, 0)
         kt_next, vb_next = _kv(k_ptr, v_ptr, row, lo + BN, lim, kvh, stride_kt, stride_kh,
-                               stride_vt, stride_vh, D, BN)  # fmt: skip
+                               stride_vt, stride_vh, D, BN, True)  # fmt: skip
         lim = tl.where(lo + 2 * BN < hi, kv_len, 0)
-        row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo + 2 * BN, lim, BN)
-        m, lcol, acc = _fold(q, kt, vb, kv_len, q_pos, row_ok, lo, scale, m, lcol, acc, BN,
-                             IEEE, True)  # fmt: skip
+        row = _rows_of(pages_ptr, req, stride_pages, page_size, kv_base, lo + 2 * BN, lim, BN,
+                       True)  # fmt: skip
+        m, lcol, acc = _fold(q, kt, vb, q_pos, row_ok, lo, scale, m, lcol, acc, BN, IEEE,
+                             True)  # fmt: skip
         kt, vb = kt_next, vb_next
     return m, lcol, acc
 

@@ -288,13 +288,21 @@ def _qk_norm_rope_native(q, k, q_weight, k_weight, eps, positions, table):
             _torch_rope.rope(_torch_norm.rms_norm(k, k_weight, eps), pos, tab))  # fmt: skip
 
 
+@triton.jit
+def _swiglu(g, u):
+    """silu(g) * u in fp32, rounded once to g's dtype: `silu_mul`'s steps, which the MoE's
+    down projection also runs on the rows it loads (`linear._segment`)."""
+    gf = g.to(tl.float32)
+    return (gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)).to(g.dtype)
+
+
 @triton.jit(do_not_specialize=["n"])  # n grows with the batch (warmup.py)
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)
+    g = tl.load(g_ptr + i, mask=ok, other=0.0)
+    u = tl.load(u_ptr + i, mask=ok, other=0.0)
+    tl.store(out_ptr + i, _swiglu(g, u), mask=ok)
 
 
 def _silu_mul_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from onpolicy.kernels import autograd as _shared
+from onpolicy.kernels.cuda.elementwise import _swiglu
 from onpolicy.kernels.rules import cdiv, check_segments
 from onpolicy.kernels.tree import combine_partials
 
@@ -161,13 +162,6 @@ def _sealed(c, SEAL: tl.constexpr):
         c = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [c], dtype=tl.float32,
                                       is_pure=True, pack=1)  # fmt: skip
     return c
-
-
-@triton.jit
-def _swiglu(g, u):
-    """silu(g) * u in fp32, rounded to g's dtype: `elementwise._silu_mul_kernel`'s steps."""
-    gf = g.to(tl.float32)
-    return (gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)).to(g.dtype)
 
 
 @triton.jit

@@ -253,12 +253,12 @@ def _is_local(ids: torch.Tensor, local_experts: Sequence[int], num_experts: int)
     return mask[ids]
 
 
-def _down_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The down projection's operand: the gate with `up` to combine on load, or silu_mul's
-    rows written out (SWIGLU_ON_LOAD_MAX_PAIRS)."""
+def _down_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The down projection's operand and the up rows it combines on load: (gate, up), or
+    silu_mul's rows written out and None (SWIGLU_ON_LOAD_MAX_PAIRS)."""
     if gate.shape[0] <= SWIGLU_ON_LOAD_MAX_PAIRS:
-        return gate, {"up": up}
-    return silu_mul(gate, up), {}
+        return gate, up
+    return silu_mul(gate, up), None
 
 
 def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segments):
@@ -278,7 +278,7 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
         mm = partial(tree_mm, out_dtype=x.dtype, pair_experts=ids, out_rows=n, tile=SMALL_TILE)
         up = mm(x, w_up, row_div=k, weight2=w_gate, out2=gate)  # gate and up in one launch
         h, on_load = _down_rows(gate, up)
-        mm(h, w_down, segments=segments, out=out, **on_load)
+        mm(h, w_down, segments=segments, out=out, up=on_load)
         return out.view(t, k, hidden)
     tile = _linear.tile_for(n, w_gate.shape[1], segments, tma=False)
     order, tiles = _tiles(ids, num_experts, tile[0])
@@ -287,5 +287,5 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
     up = mm(x, w_up, rows=rows, weight2=w_gate, out2=gate)
     # Each row is stored straight to its pair's place.
     h, on_load = _down_rows(gate, up)
-    mm(h, w_down, segments=segments, dst=order, out=out, **on_load)
+    mm(h, w_down, segments=segments, dst=order, out=out, up=on_load)
     return out.view(t, k, hidden)
