@@ -5,8 +5,8 @@ width alone, so a row's bits never depend on how many rows there are or where it
 - rms_norm: the mean square is one `tl.sum` over the row in a layout fixed by the width; then
   the CPU backend's steps (fused residual add rounded first, normalise in fp32, cast, weight);
 - rope: neox halves rotated in fp32 with cos/sin read from the model's fp32 table, rounded once;
-- qk_norm_rope: rms_norm then rope of each head in one launch for q and one for k, one program
-  per (token, head): `rms_norm`'s body (the same jit helpers, layout and order) stores the
+- qk_norm_rope: rms_norm then rope of each head of q and k in one launch, one program per
+  (token, head): `rms_norm`'s body (the same jit helpers, layout and order) stores the
   normed row, then `rope`'s rotation of its halves loaded back; the bits of the two ops;
 - silu_mul: g / (1 + exp(-g)) * up in fp32, rounded once; elementwise, so offsets cannot matter;
 - embedding: a row copy.
@@ -200,22 +200,29 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_t, stride_h, stride_table, H, eps,
+    q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, table_ptr, q_out_ptr, k_out_ptr, q_heads, k_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_table, H, eps,
     HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """`_rms_norm_kernel`'s body on one head, its normed row stored to `out`; then, after a
-    barrier, `_rope_kernel`'s rotation of the halves loaded back from `out`. The rotation's
-    inputs are loads, as in `_rope_kernel`, so the compiler sees the same arithmetic (an fp32
-    product kept in registers could be contracted into the rotation's fma)."""
+    """One program per (token, head) of q's heads then k's: `_rms_norm_kernel`'s body on the
+    head, its normed row stored to the output; then, after a barrier, `_rope_kernel`'s rotation
+    of the halves loaded back from the output. A program picks q's or k's pointers and nothing
+    else, so both run the same code. The rotation's inputs are loads, as in `_rope_kernel`, so
+    the compiler sees the same arithmetic (an fp32 product kept in registers could be
+    contracted into the rotation's fma)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    x_row = x_ptr + t * stride_t + h * stride_h
-    out = out_ptr + (t * heads + h) * H
+    j = tl.program_id(1)
+    is_q = j < q_heads
+    h = tl.where(is_q, j, j - q_heads).to(tl.int64)
+    x_row = tl.where(is_q, q_ptr + t * stride_qt + h * stride_qh,
+                     k_ptr + t * stride_kt + h * stride_kh)  # fmt: skip
+    w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+    out = tl.where(is_q, q_out_ptr + (t * q_heads + h) * H, k_out_ptr + (t * k_heads + h) * H)
+    dt: tl.constexpr = q_out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     ok = cols < H
     x = tl.load(x_row + cols, mask=ok, other=0.0)
-    tl.store(out + cols, _normed(x, _inv_rms(x, H, eps), w_ptr, cols, ok,
-                                 out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+    tl.store(out + cols, _normed(x, _inv_rms(x, H, eps), w_ptr, cols, ok, dt), mask=ok)
     tl.debug_barrier()
     i = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -223,8 +230,8 @@ def _norm_rope_kernel(
     sin = tl.load(table_ptr + pos * stride_table + HALF + i)
     o1, o2 = _rotate(tl.load(out + i), tl.load(out + HALF + i), cos, sin)
     tl.debug_barrier()  # every thread has loaded both halves before any overwrites them
-    tl.store(out + i, o1.to(out_ptr.dtype.element_ty))
-    tl.store(out + HALF + i, o2.to(out_ptr.dtype.element_ty))
+    tl.store(out + i, o1.to(dt))
+    tl.store(out + HALF + i, o2.to(dt))
 
 
 def _aligned_heads(x: torch.Tensor) -> torch.Tensor:
@@ -255,17 +262,16 @@ def _qk_norm_rope_exact(q, k, q_weight, k_weight, eps, positions, table):
     table = table.to(q.device, torch.float32).contiguous()
     positions = positions.to(q.device).contiguous()
     block, warps = _width_config(d)
-    outs = []
-    for x, w in ((q, q_weight), (k, k_weight)):  # one launch each: no branch on q or k
-        x = _aligned_heads(x)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if x.numel():
-            _norm_rope_kernel[(t, x.shape[1])](
-                x, w.contiguous(), positions, table, out, x.shape[1], x.stride(0), x.stride(1),
-                table.stride(0), d, eps, HALF=d // 2, BLOCK=block, num_warps=warps,
-            )  # fmt: skip
-        outs.append(out)
-    return outs[0], outs[1]
+    q, k = _aligned_heads(q), _aligned_heads(k)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t and q_heads + k.shape[1]:  # one launch for q and k: one kernel fewer a layer
+        _norm_rope_kernel[(t, q_heads + k.shape[1])](
+            q, k, q_weight.contiguous(), k_weight.contiguous(), positions, table, q_out, k_out,
+            q_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            table.stride(0), d, eps, HALF=d // 2, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    return q_out, k_out
 
 
 def qk_norm_rope(
