@@ -91,8 +91,8 @@ def masks_every_block(rows: int, fp32: bool) -> bool:
 PREFETCH: bool | None = False
 """Whether launches issue each key block's loads one block ahead (`_prefetched`). None:
 `prefetches` decides; True or False forces it for every tile and dtype (tests and bench: the
-bits must not change). False until its time is measured on a GPU (`bench.tiles --only
-prefetch`)."""
+bits must not change). False: on an H100 (`bench.tiles --only prefetch`) it gained 5-9 % over
+512 keys and lost 24-37 % at 8 and 64 requests over 4096 keys (docs/benchmarks.md)."""
 
 
 PREFETCH_MIN_WARPS = 8

@@ -46,7 +46,8 @@ SWIGLU_ON_LOAD_MAX_PAIRS = 0
 """Up to this many pairs the down projection computes SiLU-mul as it loads its rows; above, the
 `silu_mul` kernel writes them first. Either gives the same bits. Every N-tile of the GEMM
 repeats the SiLU of its rows (the exp and the division of a 16-row tile's padding rows too),
-so it is 0, the kernel always, until a GPU measures the trade (the bench sets it)."""
+so it is 0, the kernel always: on an H100 the MoE layer took 65.7 against 57.8 us at one token
+and 951.7 against 523.2 us at 64 with it (docs/benchmarks.md)."""
 
 SMALL_TILE = (16, 64, 128, 4, 4)
 """The per-pair tile: 16 rows (one used), as few as the tensor core takes. Same bits as any
