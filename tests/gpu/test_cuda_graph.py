@@ -155,3 +155,41 @@ def test_a_captured_rope_asserts_its_positions_on_the_device(position):
     else:
         assert proc.returncode != 0 and "written: replayed" not in proc.stdout, out[-3000:]
         assert "device-side assert triggered" in out, out[-3000:]
+
+
+KV_REPLAY = """
+import sys, torch
+from onpolicy import kernels as K
+from onpolicy.bench.kernels import captured
+k_cache, v_cache = (torch.zeros(64, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+qkv = torch.randn(2, 40 * 128, device="cuda", dtype=torch.bfloat16)
+_, k, v = qkv.view(2, 40, 128).split([32, 4, 4], dim=1)
+slots = torch.tensor([3, 5], device="cuda")
+graph, _ = captured(lambda: K.kv_store(k_cache, v_cache, slots, k, v))
+graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+print("in range: replayed", flush=True)
+slots[1] = int(sys.argv[1])
+graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+print("written: replayed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("slot", [63, 64])
+def test_a_captured_kv_store_asserts_its_slots_on_the_device(slot):
+    """The KV store's kernel checks each slot on the device (no host read, no extra launch): a
+    replay whose buffer holds a slot past the 64-slot cache fails with the kernel's message
+    (in a child: a device assert ends its CUDA context); the control, the last slot, replays and
+    lands there."""
+    proc = subprocess.run([sys.executable, "-c", KV_REPLAY, str(slot)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "in range: replayed" in proc.stdout, out[-3000:]
+    if slot < 64:
+        assert proc.returncode == 0 and "written: replayed" in proc.stdout, out[-3000:]
+    else:
+        assert proc.returncode != 0 and "written: replayed" not in proc.stdout, out[-3000:]
+        assert "kv_store: a slot is outside the cache" in out, out[-3000:]

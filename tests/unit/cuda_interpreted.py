@@ -630,6 +630,35 @@ def qk_norm_rope_is_norm_then_rope() -> None:
 
 
 @check
+def kv_store_writes_each_row_at_its_slot() -> None:
+    """One launch writes k's and v's rows (views into one qkv row; head dims 16 and 8, int64
+    and int32 slots) at their slots: the cache `index_copy_` gives, every other slot unchanged.
+    A row whose slot is outside the cache is not written (the device assert that stops the
+    kernel on a GPU is not run by the interpreter: tests/gpu). Control: one slot off differs."""
+    for d, hkv, idx in ((16, 2, torch.int64), (8, 3, torch.int32)):
+        qkv = wide(4, (2 + 2 * hkv) * d, seed=d).to(torch.bfloat16)
+        _, k, v = qkv.view(4, -1, d).split([2, hkv, hkv], dim=1)
+        caches = [randn(12, hkv, d, seed=d + i).to(torch.bfloat16) for i in (1, 2)]
+        slots = torch.tensor([9, 0, 11, 4], dtype=idx)
+        want = [
+            c.clone().index_copy_(0, slots.long(), x) for c, x in zip(caches, (k, v), strict=False)
+        ]
+        got = [c.clone() for c in caches]
+        elementwise.kv_store(*got, slots, k, v)
+        assert_bitwise(got[0], want[0], f"d {d} keys")
+        assert_bitwise(got[1], want[1], f"d {d} values")
+        off = [c.clone() for c in caches]
+        elementwise.kv_store(*off, (slots + 1) % 12, k, v)
+        differ(off[0], want[0], f"d {d} keys one slot off")
+        outside = [c.clone() for c in caches]
+        elementwise.kv_store(*outside, torch.tensor([9, 12, 11, -1], dtype=idx), k, v)
+        for c, x, before, what in zip(outside, (k, v), caches, ("keys", "values"), strict=False):
+            kept = before.clone()
+            kept[[9, 11]] = x[[0, 2]]
+            assert_bitwise(c, kept, f"d {d} {what}: rows at slots 12 and -1 dropped")
+
+
+@check
 def rope_positions_are_read_back_once_a_tensor() -> None:
     """Positions outside the table are refused by both rope ops, naming them. A positions
     tensor is read back once per version: the layers of a forward share it, so the second call

@@ -27,6 +27,7 @@ NAMES = [
     "logprobs_vocab_parallel_equal_full",
     "noise_is_the_cpu_backends_bits",
     "qk_norm_rope_is_norm_then_rope",
+    "kv_store_writes_each_row_at_its_slot",
     "rope_positions_are_read_back_once_a_tensor",
 ]
 

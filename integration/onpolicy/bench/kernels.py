@@ -15,8 +15,9 @@ the baseline, ratio = baseline / ours (>= 1: ours is faster), and the goal it is
   0.050 ms, at M = 16384 at least 400 TFLOP/s (issue 14), other M reported only;
 - model: the reference Qwen3-MoE (all 48 layers unless --layers) prefill forward of one M-token
   sequence, and one decode forward of B requests at context 512 over the paged cache (random
-  cached keys, the new keys and values written by one `index_copy_` each per layer (as
-  `PagedKVCache.store`), page tables and lengths as device tensors, no sampling), exact vs
+  cached keys, the new keys and values written by `PagedKVCache.store` (`kernels.kv_store`;
+  two `index_copy_` under the plain ops), page tables and lengths as device tensors, no
+  sampling), exact vs
   the same model under `K.native_ops()` (lists); held
   to the 48-layer goals scaled to the layer count: decode at B = 1 <= 5 ms, at B = 64
   <= 20 ms, prefill of 4096 tokens <= 70 ms;

@@ -49,6 +49,7 @@ _OPS: dict[str, str] = {
     "embedding": "embedding",
     "attention": "attention",
     "paged_attention": "paged_attention",
+    "kv_store": "kv_store",
     "log_softmax": "log_softmax",
     "token_logprobs": "token_logprobs",
     "vocab_parallel_token_logprobs": "vocab_parallel_token_logprobs",
@@ -200,6 +201,14 @@ def paged_attention(
     return _impl("paged_attention", q)(q, k_pages, v_pages, batch, scale)
 
 
+def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:  # fmt: skip
+    """Write rows k, v [n, kv_heads, head_dim] into k_cache, v_cache [slots, kv_heads, head_dim]
+    at `slots` (a paged cache's page * page_size + offset), in place: a copy, so the cache holds
+    the rows' own bits on every backend (on CUDA one launch for both)."""
+    _impl("kv_store", k)(k_cache, v_cache, slots, k, v)
+
+
 # --- log-probs --------------------------------------------------------------------------------
 scale_logits = compose.scale_logits
 """logits / temperature rounded to the logits' dtype, untouched at 1 (elementwise, any device)."""
@@ -302,7 +311,7 @@ def moe(
 __all__ = [
     "K_BLOCK", "KV_BLOCK", "VOCAB_SEGMENTS", "PagedBatch", "attention", "combine_partials",
     "embedding",
-    "k_segments", "linear", "linear_partial", "log_softmax", "moe", "moe_combine",
+    "k_segments", "kv_store", "linear", "linear_partial", "log_softmax", "moe", "moe_combine",
     "moe_expert_outputs",
     "moe_merge_expert_parallel", "moe_route", "native_ops", "paged_attention", "pairwise_tree_sum",
     "qk_norm_rope",

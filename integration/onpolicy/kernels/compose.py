@@ -117,6 +117,35 @@ def varlen_with_native_grad(exact_varlen, q, k, v, cu_seqlens, scale):
     )  # fmt: skip
 
 
+def check_kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:  # fmt: skip
+    """Refuse a KV store whose shapes, devices or dtypes disagree, naming them."""
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"kv_store: k {tuple(k.shape)} and v {tuple(v.shape)} must be one "
+                         "[rows, kv_heads, head_dim] shape")  # fmt: skip
+    if k_cache.shape != v_cache.shape or k_cache.shape[1:] != k.shape[1:]:
+        raise ValueError(f"kv_store: caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)} "
+                         f"must both be [slots, {k.shape[1]}, {k.shape[2]}] for rows "
+                         f"{tuple(k.shape)}")  # fmt: skip
+    if slots.shape != k.shape[:1] or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_store: slots {tuple(slots.shape)} {slots.dtype} must be one int32 "
+                         f"or int64 slot per row ({k.shape[0]} rows)")  # fmt: skip
+    if (k_cache.dtype, v_cache.dtype) != (k.dtype, v.dtype):
+        raise ValueError(f"kv_store: rows {k.dtype}/{v.dtype} into caches "
+                         f"{k_cache.dtype}/{v_cache.dtype}: a store does not convert")  # fmt: skip
+    if len({t.device for t in (k_cache, v_cache, slots, k, v)}) != 1:
+        raise ValueError("kv_store: caches, slots and rows must be on one device")
+
+
+def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:  # fmt: skip
+    """k_cache[slots] = k and v_cache[slots] = v: one `index_copy_` each (torch refuses a slot
+    out of range)."""
+    check_kv_store(k_cache, v_cache, slots, k, v)
+    k_cache.index_copy_(0, slots.long(), k)
+    v_cache.index_copy_(0, slots.long(), v)
+
+
 # --- norms and rotary -------------------------------------------------------------------------
 def qk_norm_rope(
     rms_norm: Callable, rope: Callable, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,

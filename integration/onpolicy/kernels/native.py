@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from onpolicy.kernels import compose
 from onpolicy.kernels.compose import (
     PagedBatch,
+    kv_store,  # a copy: no arithmetic
     merge_expert_parallel,  # a selection: no arithmetic
     scale_logits,
     shard_segments,
@@ -28,7 +29,7 @@ from onpolicy.kernels.cpu.noise import uniform_noise  # integer arithmetic: the 
 from onpolicy.kernels.rules import check_segments
 
 __all__ = [
-    "attention", "combine", "embedding", "expert_outputs", "linear", "linear_partial",
+    "attention", "combine", "embedding", "expert_outputs", "kv_store", "linear", "linear_partial",
     "log_softmax", "merge_expert_parallel", "moe", "paged_attention", "qk_norm_rope",
     "rms_norm", "rope", "route", "row_parallel_linear", "silu_mul", "sumexp_partial",
     "token_logprobs", "uniform_noise", "vocab_parallel_token_logprobs",

@@ -369,6 +369,6 @@ class PagedKVCache:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows of keys/values [n, Hkv, D] at the cache's flat slots (page * page_size +
-        offset), one copy kernel each (an index_put by page and offset launches several)."""
-        self.k[layer].view(-1, *self.k.shape[-2:]).index_copy_(0, slots, k)
-        self.v[layer].view(-1, *self.v.shape[-2:]).index_copy_(0, slots, v)
+        offset): `kernels.kv_store`, one launch for both on CUDA."""
+        flat = self.k.shape[-2:]
+        K.kv_store(self.k[layer].view(-1, *flat), self.v[layer].view(-1, *flat), slots, k, v)

@@ -9,7 +9,8 @@ width alone, so a row's bits never depend on how many rows there are or where it
   (token, head): `rms_norm`'s body (the same jit helpers, layout and order) stores the
   normed row, then `rope`'s rotation of its halves loaded back; the bits of the two ops;
 - silu_mul: g / (1 + exp(-g)) * up in fp32, rounded once; elementwise, so offsets cannot matter;
-- embedding: a row copy.
+- embedding: a row copy;
+- kv_store: the new keys' and values' rows copied into a paged cache, both in one launch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from onpolicy.kernels.autograd import exact_with_native_grad
-from onpolicy.kernels.compose import silu_mul_native
+from onpolicy.kernels.compose import check_kv_store, silu_mul_native
 from onpolicy.kernels.cpu import norm as _torch_norm
 from onpolicy.kernels.cpu import rope as _torch_rope
 from onpolicy.kernels.rules import cdiv, next_power_of_2
@@ -265,7 +266,7 @@ def _qk_norm_rope_exact(q, k, q_weight, k_weight, eps, positions, table):
     q, k = _aligned_heads(q), _aligned_heads(k)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if t and q_heads + k.shape[1]:  # one launch for q and k: one kernel fewer a layer
+    if q.numel() + k.numel():  # one launch for q and k: one kernel fewer a layer
         _norm_rope_kernel[(t, q_heads + k.shape[1])](
             q, k, q_weight.contiguous(), k_weight.contiguous(), positions, table, q_out, k_out,
             q_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -279,8 +280,8 @@ def qk_norm_rope(
     positions: torch.Tensor, table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """rope(rms_norm(q)), rope(rms_norm(k)) for q [T, Hq, D] and k [T, Hkv, D] (views into one
-    qkv row are read in place): one launch each, the bits of the two ops. The gradient is that of
-    the plain torch steps."""
+    qkv row are read in place): one launch for both, the bits of the two ops. The gradient is
+    that of the plain torch steps."""
     return exact_with_native_grad(
         lambda q_, k_, qw, kw: _qk_norm_rope_exact(q_, k_, qw, kw, eps, positions, table),
         lambda q_, k_, qw, kw: _qk_norm_rope_native(q_, k_, qw, kw, eps, positions, table),
@@ -352,3 +353,44 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             flat.contiguous(), weight.contiguous(), out, h, BLOCK=1024
         )
     return out.view(*ids.shape, h)
+
+
+# debug=True compiles this kernel's device_assert (Triton drops it otherwise): a slot outside the
+# cache stops the kernel as index_copy_'s bounds check does, also inside a captured graph, with
+# no host sync and no extra launch. The stores are masked to the cache as well, so no write
+# lands outside it where the assert does not run (Triton's interpreter).
+@triton.jit(debug=True)
+def _kv_store_kernel(k_ptr, v_ptr, slots_ptr, k_cache, v_cache, capacity, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_cs, stride_ch, D: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """Program (row, head): that head's D keys and D values of the row, to the row's slot."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    inside = (slot >= 0) & (slot < capacity)
+    tl.device_assert(inside, "kv_store: a slot is outside the cache")
+    cols = tl.arange(0, BLOCK)
+    ok = (cols < D) & inside
+    dst = slot * stride_cs + h * stride_ch + cols
+    tl.store(k_cache + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + cols, mask=ok), mask=ok)
+    tl.store(v_cache + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=ok), mask=ok)
+
+
+def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:  # fmt: skip
+    """k_cache[slots] = k and v_cache[slots] = v in one launch (two `index_copy_` before): rows
+    [n, kv_heads, head_dim] read in place (a view into the qkv row), caches [slots, kv_heads,
+    head_dim] with unit stride within a head and one layout for both."""
+    check_kv_store(k_cache, v_cache, slots, k, v)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"kv_store: caches of strides {k_cache.stride()} and {v_cache.stride()} "
+                         "must share one layout with unit stride within a head")  # fmt: skip
+    n, heads, d = k.shape
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    if n and heads and d:
+        block = next_power_of_2(d)
+        _kv_store_kernel[(n, heads)](
+            k, v, slots.contiguous(), k_cache, v_cache, k_cache.shape[0], k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), D=d,
+            BLOCK=block, num_warps=max(1, min(4, block // 128)),
+        )  # fmt: skip
