@@ -121,75 +121,59 @@ def test_expert_outputs_of_local_experts_capture_and_replay(tokens, local_set):
     assert bool((eager[(ids < 4) | (ids >= 12)] == 0).all())  # non-local slots stay zero
 
 
-ROPE_REPLAY = """
+REPLAY = """
 import sys, torch
 from onpolicy import kernels as K
 from onpolicy.bench.kernels import captured
-table = K.rope_table(128, 1e6, 64).cuda()
-q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(2, 4, 128, device="cuda", dtype=torch.bfloat16)
-w = torch.ones(128, device="cuda", dtype=torch.bfloat16)
-pos = torch.tensor([3, 5], device="cuda")
-graph, _ = captured(lambda: K.qk_norm_rope(q, k, w, w, 1e-6, pos, table)[0])
+op, dev, bf = sys.argv[1], "cuda", torch.bfloat16
+index = torch.tensor([3, 5], device=dev)  # positions, token ids or slots: 64 of each
+q = torch.randn(2, 32, 128, device=dev, dtype=bf)
+k, v = torch.randn(2, 2, 4, 128, device=dev, dtype=bf)
+if op in ("qk_norm_rope", "rope"):
+    table = K.rope_table(128, 1e6, 64).cuda()
+    w = torch.ones(128, device=dev, dtype=bf)
+    fn = {"qk_norm_rope": lambda: K.qk_norm_rope(q, k, w, w, 1e-6, index, table)[0],
+          "rope": lambda: K.rope(q, index, table)}[op]
+elif op == "embedding":
+    weight = torch.randn(64, 256, device=dev, dtype=bf)
+    fn = lambda: K.embedding(index, weight)
+else:
+    caches = torch.zeros(2, 64, 4, 128, device=dev, dtype=bf)
+    fn = lambda: K.kv_store(caches[0], caches[1], index, k, v)
+graph, _ = captured(fn)
 graph.replay()
 torch.cuda.synchronize()
 print("in range: replayed", flush=True)
-pos[1] = int(sys.argv[1])
+index[1] = int(sys.argv[2])
 graph.replay()
 torch.cuda.synchronize()
+if op == "kv_store":
+    assert torch.equal(caches[0][index], k) and torch.equal(caches[1][index], v)
 print("written: replayed", flush=True)
 """
+MESSAGES = {
+    "qk_norm_rope": "rope: a position is outside the table",
+    "rope": "rope: a position is outside the table",
+    "embedding": "embedding: a token id is outside the vocab",
+    "kv_store": "kv_store: a slot is outside the cache",
+}
+"""Op -> the message its kernel's device-side assert prints."""
 
 
-@pytest.mark.parametrize("position", [63, 64])
-def test_a_captured_rope_asserts_its_positions_on_the_device(position):
-    """A graph reads no positions on the host: the captured rope asserts them on the device. A
-    replay whose buffer holds a position past the 64-row table fails (in a child: a device
-    assert ends its CUDA context); the control, the table's last row, replays."""
-    proc = subprocess.run([sys.executable, "-c", ROPE_REPLAY, str(position)],
+@pytest.mark.parametrize("value", [63, 64, -1])
+@pytest.mark.parametrize("op", list(MESSAGES))
+def test_a_captured_index_is_asserted_on_the_device(op, value):
+    """A graph reads no positions, token ids or KV slots on the host: the kernel that loads one
+    asserts it on the device (no extra launch). A replay whose buffer holds one past the 64 of
+    the table, vocab or cache, or a negative one, fails with the kernel's message (in a child:
+    a device assert ends its CUDA context); the control, the last of the 64, replays (a KV
+    store lands at its slot)."""
+    proc = subprocess.run([sys.executable, "-c", REPLAY, op, str(value)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert "in range: replayed" in proc.stdout, out[-3000:]
-    if position < 64:
+    if 0 <= value < 64:
         assert proc.returncode == 0 and "written: replayed" in proc.stdout, out[-3000:]
     else:
         assert proc.returncode != 0 and "written: replayed" not in proc.stdout, out[-3000:]
-        assert "device-side assert triggered" in out, out[-3000:]
-
-
-KV_REPLAY = """
-import sys, torch
-from onpolicy import kernels as K
-from onpolicy.bench.kernels import captured
-k_cache, v_cache = (torch.zeros(64, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-qkv = torch.randn(2, 40 * 128, device="cuda", dtype=torch.bfloat16)
-_, k, v = qkv.view(2, 40, 128).split([32, 4, 4], dim=1)
-slots = torch.tensor([3, 5], device="cuda")
-graph, _ = captured(lambda: K.kv_store(k_cache, v_cache, slots, k, v))
-graph.replay()
-torch.cuda.synchronize()
-assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
-print("in range: replayed", flush=True)
-slots[1] = int(sys.argv[1])
-graph.replay()
-torch.cuda.synchronize()
-assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
-print("written: replayed", flush=True)
-"""
-
-
-@pytest.mark.parametrize("slot", [63, 64])
-def test_a_captured_kv_store_asserts_its_slots_on_the_device(slot):
-    """The KV store's kernel checks each slot on the device (no host read, no extra launch): a
-    replay whose buffer holds a slot past the 64-slot cache fails with the kernel's message
-    (in a child: a device assert ends its CUDA context); the control, the last slot, replays and
-    lands there."""
-    proc = subprocess.run([sys.executable, "-c", KV_REPLAY, str(slot)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    out = proc.stdout + proc.stderr
-    assert "in range: replayed" in proc.stdout, out[-3000:]
-    if slot < 64:
-        assert proc.returncode == 0 and "written: replayed" in proc.stdout, out[-3000:]
-    else:
-        assert proc.returncode != 0 and "written: replayed" not in proc.stdout, out[-3000:]
-        assert "kv_store: a slot is outside the cache" in out, out[-3000:]
+        assert "device-side assert triggered" in out and MESSAGES[op] in out, out[-3000:]

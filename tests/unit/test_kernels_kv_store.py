@@ -70,13 +70,29 @@ def test_an_empty_store_changes_nothing(device):
     assert_bitwise(v_cache, before[1], "values")
 
 
+def _bad_v(c):
+    return c[0], c[1], c[2], c[3], c[4][:, :2]
+
+
 BAD = {
-    "v's shape": (lambda c: (c[0], c[1], c[2], c[3], c[4][:, :2]), r"k \(5, 4, 128\) and v \(5, 2, 128\)"),
-    "the cache's heads": (lambda c: (c[0][:, :2], c[1][:, :2], *c[2:]), r"caches \(96, 2, 128\) and \(96, 2, 128\) must both be \[slots, 4, 128\]"),
-    "a slot short": (lambda c: (c[0], c[1], c[2][:4], c[3], c[4]), r"slots \(4,\) torch.int64 must be one int32 or int64 slot per row \(5 rows\)"),
-    "float slots": (lambda c: (c[0], c[1], c[2].float(), c[3], c[4]), r"slots \(5,\) torch.float32"),
-    "the cache's dtype": (lambda c: (c[0].float(), c[1].float(), *c[2:]), r"rows torch.bfloat16/torch.bfloat16 into caches torch.float32/torch.float32"),
-}  # fmt: skip
+    "v's shape": (_bad_v, r"k \(5, 4, 128\) and v \(5, 2, 128\)"),
+    "the cache's heads": (
+        lambda c: (c[0][:, :2], c[1][:, :2], *c[2:]),
+        r"caches \(96, 2, 128\) and \(96, 2, 128\) must both be \[slots, 4, 128\]",
+    ),
+    "a slot short": (
+        lambda c: (c[0], c[1], c[2][:4], c[3], c[4]),
+        r"slots \(4,\) torch.int64 must be one int32 or int64 slot per row \(5 rows\)",
+    ),
+    "float slots": (
+        lambda c: (c[0], c[1], c[2].float(), c[3], c[4]),
+        r"slots \(5,\) torch.float32",
+    ),
+    "the cache's dtype": (
+        lambda c: (c[0].float(), c[1].float(), *c[2:]),
+        r"rows torch.bfloat16/torch.bfloat16 into caches torch.float32/torch.float32",
+    ),
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -115,13 +115,21 @@ def _rms_norm_exact(x, weight, eps, residual):
     return out if residual is None else (out, res_out)
 
 
-@triton.jit
+# debug=True compiles the kernels' device_assert (Triton drops it otherwise), launched with
+# ASSERTS_ONLY so that is all it adds: a position outside the table, or an id outside the vocab,
+# stops the kernel inside a captured graph without a host read or an extra launch.
+ASSERTS_ONLY = {"sanitize_overflow": False}
+"""Launch options of a debug=True kernel: its own asserts, not Triton's integer-overflow ones."""
+
+
+@triton.jit(debug=True)
 def _rope_kernel(
-    x_ptr, pos_ptr, table_ptr, out_ptr, heads, stride_xt, stride_xh, stride_table,
+    x_ptr, pos_ptr, table_ptr, out_ptr, heads, rows, stride_xt, stride_xh, stride_table,
     HALF: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    tl.device_assert((pos >= 0) & (pos < rows), "rope: a position is outside the table")
     i = tl.arange(0, HALF)
     hh = tl.arange(0, HEADS)
     ok = (hh < heads)[:, None]
@@ -165,12 +173,9 @@ def _check_positions(positions: torch.Tensor, rows: int) -> None:
     """Every position in [0, rows), read back on the host once per positions tensor and
     version: a forward's layers share one positions tensor, so an eager forward syncs once for
     it, not once a layer. Inference tensors keep no version, so each call reads them back.
-    While a CUDA graph is captured nothing is read: each call puts a device-side assert of the
-    largest position in the graph."""
-    if not positions.numel():
-        return
-    if _capturing():
-        torch._assert_async(positions.max() < rows, "rope: a position is outside the table")
+    While a CUDA graph is captured nothing is read: the kernels assert each position they load
+    on the device."""
+    if not positions.numel() or _capturing():
         return
     stamp = None if positions.is_inference() else (positions._version, rows)
     seen = _CHECKED.get(id(positions))
@@ -194,15 +199,15 @@ def _rope_exact(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -
     out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
     if t:
         _rope_kernel[(t,)](x, positions.to(x.device).contiguous(), table, out, heads,
-                           x.stride(0), x.stride(1), table.stride(0), HALF=half,
-                           HEADS=next_power_of_2(heads))  # fmt: skip
+                           table.shape[0], x.stride(0), x.stride(1), table.stride(0), HALF=half,
+                           HEADS=next_power_of_2(heads), **ASSERTS_ONLY)  # fmt: skip
     return out
 
 
-@triton.jit
+@triton.jit(debug=True)
 def _norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, table_ptr, q_out_ptr, k_out_ptr, q_heads, k_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_table, H, eps,
+    rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_table, H, eps,
     HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head) of q's heads then k's: `_rms_norm_kernel`'s body on the
@@ -227,6 +232,7 @@ def _norm_rope_kernel(
     tl.debug_barrier()
     i = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    tl.device_assert((pos >= 0) & (pos < rows), "rope: a position is outside the table")
     cos = tl.load(table_ptr + pos * stride_table + i)
     sin = tl.load(table_ptr + pos * stride_table + HALF + i)
     o1, o2 = _rotate(tl.load(out + i), tl.load(out + HALF + i), cos, sin)
@@ -269,8 +275,9 @@ def _qk_norm_rope_exact(q, k, q_weight, k_weight, eps, positions, table):
     if q.numel() + k.numel():  # one launch for q and k: one kernel fewer a layer
         _norm_rope_kernel[(t, q_heads + k.shape[1])](
             q, k, q_weight.contiguous(), k_weight.contiguous(), positions, table, q_out, k_out,
-            q_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            table.stride(0), d, eps, HALF=d // 2, BLOCK=block, num_warps=warps,
+            q_heads, k.shape[1], table.shape[0], q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), table.stride(0), d, eps, HALF=d // 2, BLOCK=block, num_warps=warps,
+            **ASSERTS_ONLY,
         )  # fmt: skip
     return q_out, k_out
 
@@ -327,10 +334,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return exact_with_native_grad(_silu_mul_exact, silu_mul_native, gate, up)
 
 
-@triton.jit
-def _embedding_kernel(ids_ptr, w_ptr, out_ptr, H, BLOCK: tl.constexpr):
+@triton.jit(debug=True)
+def _embedding_kernel(ids_ptr, w_ptr, out_ptr, V, H, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(ids_ptr + t).to(tl.int64)
+    tl.device_assert((row >= 0) & (row < V), "embedding: a token id is outside the vocab")
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
     tl.store(out_ptr + t * H + cols, tl.load(w_ptr + row * H + cols, mask=ok), mask=ok)
@@ -340,25 +348,24 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Rows of `weight` [V, H] at `ids`; out-of-range ids are refused, naming the first."""
     v, h = weight.shape
     flat = ids.reshape(-1).to(weight.device)
-    outside = (flat < 0) | (flat >= v)
     # A gather past the table would read other memory silently. While a CUDA graph is captured
-    # the host cannot read the ids: the check becomes a device-side assert.
-    if _capturing():
-        torch._assert_async(~outside.any(), "embedding: a token id is outside the vocab")
-    elif bool(outside.any()):
-        raise IndexError(f"embedding: token id {int(flat[outside][0])} is outside the vocab of {v}")
+    # the host cannot read the ids: the kernel asserts each id on the device.
+    if not _capturing():
+        outside = (flat < 0) | (flat >= v)
+        if bool(outside.any()):
+            raise IndexError(f"embedding: token id {int(flat[outside][0])} is outside the vocab "
+                             f"of {v}")  # fmt: skip
     out = torch.empty(flat.numel(), h, dtype=weight.dtype, device=weight.device)
     if flat.numel():
         _embedding_kernel[(flat.numel(), cdiv(h, 1024))](
-            flat.contiguous(), weight.contiguous(), out, h, BLOCK=1024
+            flat.contiguous(), weight.contiguous(), out, v, h, BLOCK=1024, **ASSERTS_ONLY
         )
     return out.view(*ids.shape, h)
 
 
-# debug=True compiles this kernel's device_assert (Triton drops it otherwise): a slot outside the
-# cache stops the kernel as index_copy_'s bounds check does, also inside a captured graph, with
-# no host sync and no extra launch. The stores are masked to the cache as well, so no write
-# lands outside it where the assert does not run (Triton's interpreter).
+# A slot outside the cache stops the kernel as index_copy_'s bounds check does (`ASSERTS_ONLY`).
+# The stores are masked to the cache as well, so no write lands outside it where the assert does
+# not run (Triton's interpreter).
 @triton.jit(debug=True)
 def _kv_store_kernel(k_ptr, v_ptr, slots_ptr, k_cache, v_cache, capacity, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_cs, stride_ch, D: tl.constexpr,
@@ -392,5 +399,5 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
         _kv_store_kernel[(n, heads)](
             k, v, slots.contiguous(), k_cache, v_cache, k_cache.shape[0], k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), D=d,
-            BLOCK=block, num_warps=max(1, min(4, block // 128)),
+            BLOCK=block, num_warps=max(1, min(4, block // 128)), **ASSERTS_ONLY,
         )  # fmt: skip
