@@ -641,7 +641,7 @@ def kv_store_writes_each_row_at_its_slot() -> None:
         caches = [randn(12, hkv, d, seed=d + i).to(torch.bfloat16) for i in (1, 2)]
         slots = torch.tensor([9, 0, 11, 4], dtype=idx)
         want = [
-            c.clone().index_copy_(0, slots.long(), x) for c, x in zip(caches, (k, v), strict=False)
+            c.clone().index_copy_(0, slots.long(), x) for c, x in zip(caches, (k, v), strict=True)
         ]
         got = [c.clone() for c in caches]
         elementwise.kv_store(*got, slots, k, v)
@@ -652,7 +652,7 @@ def kv_store_writes_each_row_at_its_slot() -> None:
         differ(off[0], want[0], f"d {d} keys one slot off")
         outside = [c.clone() for c in caches]
         elementwise.kv_store(*outside, torch.tensor([9, 12, 11, -1], dtype=idx), k, v)
-        for c, x, before, what in zip(outside, (k, v), caches, ("keys", "values"), strict=False):
+        for c, x, before, what in zip(outside, (k, v), caches, ("keys", "values"), strict=True):
             kept = before.clone()
             kept[[9, 11]] = x[[0, 2]]
             assert_bitwise(c, kept, f"d {d} {what}: rows at slots 12 and -1 dropped")

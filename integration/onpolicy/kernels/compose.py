@@ -142,8 +142,9 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     """k_cache[slots] = k and v_cache[slots] = v: one `index_copy_` each (torch refuses a slot
     out of range)."""
     check_kv_store(k_cache, v_cache, slots, k, v)
-    k_cache.index_copy_(0, slots.long(), k)
-    v_cache.index_copy_(0, slots.long(), v)
+    index = slots.long()
+    k_cache.index_copy_(0, index, k)
+    v_cache.index_copy_(0, index, v)
 
 
 # --- norms and rotary -------------------------------------------------------------------------
