@@ -5,7 +5,7 @@ by M and S); that attention's tiles and two schedules (partitions merged in regi
 split over programs and merged through a workspace) and its device-tensor path give the same
 bits, while another partition width does not, and a `tl.sum` denominator (the tile test's
 control) moves with the tile; and that the MoE's small-batch schedule (one tile per pair, gate
-and up in one launch) gives the sorted schedule's bits."""
+and up in one launch) gives the sorted schedule's bits, and its one-launch sort is torch's."""
 
 from __future__ import annotations
 
@@ -324,3 +324,46 @@ def test_moe_small_batch_schedule_equals_the_sorted_one():
     assert_bitwise(K.moe_expert_outputs(x[:2], ids[:2], wg, wu, wd, segments=2), two[:2], "S 2")
     assert not torch.equal(two, full), "the down projection at S = 2 is another sum"
     assert_bitwise(K.moe(x[:1], gate, wg, wu, wd, 8), K.moe(x, gate, wg, wu, wd, 8)[:1], "moe")
+
+
+def test_moe_schedule_in_one_launch_is_the_stable_sorts():
+    """Qwen3-30B-A3B's router on the GPU: the one-launch schedule (`_schedule_kernel`) gives
+    `_tiles`' torch schedule entry for entry at 9, 64 and 512 tokens (72, 512 and 4096 pairs),
+    with local experts too, and as a CUDA-graph replay on new ids; 300 tokens through it give
+    the rows of 600 through the torch schedule. Control: the schedule of the ids with two
+    pairs of different experts swapped differs."""
+    gate, wg, wu, wd, x = _qwen3_moe(seed=26)
+    ids, _ = K.moe_route(x, gate, 8)
+    assert 9 * 8 > M.SMALL_PAIRS and 512 * 8 == M.SCHEDULE_MAX_PAIRS < 600 * 8
+
+    def equal(ids: torch.Tensor, bm: int) -> bool:
+        order, rows, tiles = M._schedule(ids, 128, 8, bm)
+        ref_order, ref_tiles = M._tiles(ids, 128, bm)
+        return all(torch.equal(a, b) for a, b in zip((order, rows, *tiles),
+                                                     (ref_order, ref_order // 8, *ref_tiles),
+                                                     strict=True))  # fmt: skip
+
+    for t, bm in ((9, 64), (64, 64), (512, 128)):
+        flat = ids[:t].reshape(-1)
+        assert equal(flat, bm), f"{t} tokens"
+        assert equal(torch.where(flat % 3 == 0, flat, 128), bm), f"{t} tokens, local experts"
+    static = ids[:64].reshape(-1).clone()
+    graph = torch.cuda.CUDAGraph()
+    M._schedule(static, 128, 8, 64)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        captured = M._schedule(static, 128, 8, 64)
+    static.copy_(ids[64:128].reshape(-1))
+    graph.replay()
+    ref_order, ref_tiles = M._tiles(static, 128, 64)
+    assert torch.equal(captured[0], ref_order), "replayed order"
+    assert all(torch.equal(a, b) for a, b in zip(captured[2], ref_tiles, strict=True)), "tiles"
+    full = K.moe_expert_outputs(x, ids, wg, wu, wd)
+    assert_bitwise(K.moe_expert_outputs(x[:300], ids[:300], wg, wu, wd), full[:300], "300 tokens")
+    swap = ids[:64].reshape(-1).clone()
+    j = int((swap != swap[0]).nonzero()[0])
+    swap[0], swap[j] = swap[j].clone(), swap[0].clone()
+    order, _, tiles = M._schedule(ids[:64].reshape(-1), 128, 8, 64)
+    ref_order, ref_tiles = M._tiles(swap, 128, 64)
+    assert not all(
+        torch.equal(a, b) for a, b in zip((order, *tiles), (ref_order, *ref_tiles), strict=True)
+    ), "the control cannot fail"

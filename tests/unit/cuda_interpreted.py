@@ -509,6 +509,37 @@ def moe_grouped_rows_equal_linear_per_expert() -> None:
 
 
 @check
+def moe_schedule_is_the_stable_sorts() -> None:
+    """The one-launch schedule (`_schedule_kernel`) gives `_tiles`' torch schedule, entry for
+    entry: the stable sort of the pairs by expert, each sorted pair's row of x, and every tile
+    slot's expert, start and end, for batches with few or many rows an expert, non-local
+    pairs (id num_experts) and none local, up to SCHEDULE_MAX_PAIRS. Control: the same
+    comparison against the schedule of the ids with two pairs of different experts swapped
+    fails."""
+    g = torch.Generator().manual_seed(11)
+    cases = [(65, 128, 8, 64, 128), (70, 4, 2, 64, 1), (512, 128, 8, 64, 3),
+             (moe.SCHEDULE_MAX_PAIRS, 128, 8, 128, 129), (100, 8, 2, 16, 9),
+             (333, 16, 1, 32, 16)]  # fmt: skip
+
+    def equal(got, ref) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+    for n, experts, k, bm, spread in cases:
+        ids = torch.randint(0, spread, (n,), generator=g).clamp(max=experts)
+        if spread == 1:
+            ids = torch.full((n,), experts)  # every pair non-local: no tile has an expert
+        order, rows, tiles = moe._schedule(ids, experts, k, bm)
+        ref_order, ref_tiles = moe._tiles(ids, experts, bm)
+        where = f"{n} pairs, {experts} experts, k {k}, {bm}-row tiles"
+        assert equal((order, rows, *tiles), (ref_order, ref_order // k, *ref_tiles)), where
+    swap = ids.clone()
+    i, j = 0, int((ids != ids[0]).nonzero()[0])
+    swap[i], swap[j] = ids[j], ids[i]
+    ref_order, ref_tiles = moe._tiles(swap, experts, bm)
+    assert not equal((order, *tiles), (ref_order, *ref_tiles)), "the comparison cannot fail"
+
+
+@check
 def row_kernels_are_row_independent_and_match_the_cpu_backend() -> None:
     """RMSNorm: a row alone gives the batch's bits, the fused residual sum is one fp32 add
     (the CPU backend's bits); y = w x / sqrt(mean(x^2) + eps) is within

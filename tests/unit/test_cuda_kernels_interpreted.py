@@ -23,6 +23,7 @@ NAMES = [
     "unmasked_blocks_give_the_masked_bits",
     "prefetched_loads_give_the_one_loop_bits",
     "moe_grouped_rows_equal_linear_per_expert",
+    "moe_schedule_is_the_stable_sorts",
     "row_kernels_are_row_independent_and_match_the_cpu_backend",
     "logprobs_vocab_parallel_equal_full",
     "noise_is_the_cpu_backends_bits",

@@ -48,13 +48,13 @@ def test_the_prompts_meet_every_bound_from_both_sides(max_tokens):
 
 def test_request_bounds_at_qwen3_heads():
     """Derived by hand for 8 query heads a KV head, 4 KV heads, 16-row decode tiles: R one-token
-    requests take DECODE_FEW up to 64, split while 4 (R // 2 + R) < 528, i.e. R <= 87, and the
+    requests take DECODE_FEW up to 32, split while 4 (R // 2 + R) < 528, i.e. R <= 87, and the
     LM head's tile changes past 16, 64 and 512 rows (151936 columns fill LARGE_M's waves at any
     M > 512); a long request (513 tokens) among t - 513 short ones runs the 128-row tile while
     8t > 16 (t - 512), i.e. t <= 1023, split while 4 (8t // 128 + t - 512) < 528, t <= 606."""
-    assert request_bounds(8, 4, 4096, 151936) == ([16, 64, 87, 512], [513, 606, 1023])
+    assert request_bounds(8, 4, 4096, 151936) == ([16, 32, 64, 87, 512], [513, 606, 1023])
     # A narrow LM head fills LARGE_M's waves only at 16769 rows (131 x 4 tiles of 256 columns).
-    assert request_bounds(8, 4, 20000, 1024)[0] == [16, 64, 87, 512, 16768]
+    assert request_bounds(8, 4, 20000, 1024)[0] == [16, 32, 64, 87, 512, 16768]
 
 
 def variants(lengths: list[int], vocab: int = 151936) -> set:
@@ -117,14 +117,14 @@ def test_no_prompt_exceeds_the_engine_limits():
 
 def test_first_tokens_are_distinct_and_ids_are_within_the_vocabulary():
     """No prompt starts with the first token of a prompt of two or more tokens (the radix cache
-    could shorten it); one-token prompts, which it cannot, outnumber a small vocabulary: here 15
-    ids, 14 of them first tokens of longer prompts, the 15th that of every one-token prompt."""
-    vocab = 15
+    could shorten it); one-token prompts, which it cannot, outnumber a small vocabulary: here 17
+    ids, 16 of them first tokens of longer prompts, the 17th that of every one-token prompt."""
+    vocab = 17
     cfg = types.SimpleNamespace(**{**vars(CONFIG), "vocab_size": vocab})
     prompts = [p for b in warmup_prompts(cfg, 1200, seed=3) for p in b]
     multi = [p[0] for p in prompts if len(p) > 1]
     singles = {p[0] for p in prompts if len(p) == 1}
-    assert len(prompts) == 2586 > vocab and len(multi) == 14
+    assert len(prompts) == 2653 > vocab and len(multi) == 16
     assert len(set(multi)) == len(multi) and len(singles) == 1 and not singles & set(multi)
     ids = [t for p in prompts for t in p]
     assert min(ids) >= 0 and max(ids) < vocab
@@ -143,7 +143,7 @@ def test_the_prompts_are_seeded():
     ({"max_tokens": 600, "config": types.SimpleNamespace(num_attention_heads=32,
       num_key_value_heads=4, vocab_size=151936)}, "num_experts_per_tok = None"),
     ({"max_tokens": 600, "config": types.SimpleNamespace(**{**vars(CONFIG),
-      "vocab_size": 10})}, "distinct first tokens: 10 prompts of two or more tokens"),
+      "vocab_size": 10})}, "distinct first tokens: 12 prompts of two or more tokens"),
 ])  # fmt: skip
 def test_bad_input_is_refused_naming_the_rule(kw, says):
     cfg = kw.pop("config", CONFIG)

@@ -5,7 +5,7 @@ what `tile_for` should pick. Baselines: cuBLAS (torch.matmul) for the GEMM, the 
 for decode attention, flash SDPA for prefill attention.
 
     python -m onpolicy.bench.tiles [--only gemm,decode_gemm,dispatch,attention,partitions,moe,
-                                           decode_step]
+                                           schedule,decode_step]
                                    [--layers 4]
 
 `decode_step` profiles the reference model's decode step by kernel (eager, one step at B = 1
@@ -342,7 +342,7 @@ def prefetch(dev: torch.device) -> None:
     paged caches; the bits must be the same."""
     hq, hkv, _ = HEADS
     for ctx in (512, 4096):
-        for b in (1, 8, 64, 512):
+        for b in (1, 8, 16, 32, 48, 64, 512):
             q, kp, vp, (cu, table, lens) = paged(dev, b, ctx)
             ref = K.paged_attention(q, kp, vp, K.PagedBatch(cu, table, lens))
             default = A.tile_for(b * hq // hkv, b)
@@ -407,6 +407,47 @@ def moe(dev: torch.device) -> None:
     profile("moe M=1", lambda: K.moe(x, gate, wg, wu, wd, top))
 
 
+def schedule(dev: torch.device) -> None:
+    """The sorted MoE path's schedule as graph replays: one launch (`_schedule_kernel`)
+    against `_tiles`' torch ops, then the MoE layer with each (SCHEDULE_MAX_PAIRS 0: torch)."""
+    cfg = QWEN3_30B_A3B
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    top = cfg.num_experts_per_tok
+    gate = torch.randn(e, h, device=dev, dtype=DTYPE) * 0.02
+    wg, wu = (torch.randn(e, i, h, device=dev, dtype=DTYPE) * 0.02 for _ in range(2))
+    wd = torch.randn(e, h, i, device=dev, dtype=DTYPE) * 0.02
+
+    def by_torch(ids: torch.Tensor, bm: int) -> tuple:
+        order, tiles = M._tiles(ids, e, bm)
+        return order, order // top, *tiles
+
+    def in_one_launch(ids: torch.Tensor, bm: int) -> tuple:
+        order, rows, tiles = M._schedule(ids, e, top, bm)
+        return order, rows, *tiles
+
+    for m in (64, 128, 512):
+        x = torch.randn(m, h, device=dev, dtype=DTYPE)
+        ids = K.moe_route(x, gate, top)[0].reshape(-1)
+        bm = L.tile_for(ids.numel(), i, tma=False)[0]
+        ref, times = by_torch(ids, bm), []
+        for fn in (by_torch, in_one_launch):
+            g, got = captured(partial(fn, ids, bm))
+            g.replay()
+            ok = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+            times.append(f"{ms(g.replay) * 1e3:.1f} us {'same' if ok else 'DIFFERENT'}")
+        layers = []
+        for cap in (0, M.SCHEDULE_MAX_PAIRS):
+            with setting(M, SCHEDULE_MAX_PAIRS=cap):
+                g, y = captured(partial(K.moe, x, gate, wg, wu, wd, top))
+                g.replay()
+                layers.append((ms(g.replay) * 1e3, y))
+        print(
+            f"schedule, M = {m} ({ids.numel()} pairs, {bm}-row tiles): torch {times[0]}, "
+            f"one launch {times[1]}; the MoE layer {layers[0][0]:.1f} us with torch's, "
+            f"{layers[1][0]:.1f} us with one launch ({same(layers[1][1], layers[0][1])})"
+        )
+
+
 def profile(what: str, fn: Callable[[], object], rows: int = 14) -> None:
     """Where the GPU time of fn goes, by kernel."""
     fn()
@@ -444,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     families = {"gemm": gemm, "decode_gemm": decode_gemm, "dispatch": dispatch,
                 "attention": attention, "partitions": partitions, "masks": masks,
-                "prefetch": prefetch, "moe": moe,
+                "prefetch": prefetch, "moe": moe, "schedule": schedule,
                 "decode_step": partial(decode_steps, layers=args.layers)}  # fmt: skip
     for name in args.only.split(","):
         families[name](dev)

@@ -51,10 +51,11 @@ of copy bandwidth at 512 requests on an H200, against 51 % with four)."""
 DECODE_FEW: Tile = (16, 8, 3)
 """The same rows for at most FEW_REQUESTS requests: few programs, so eight warps each keep more
 loads in flight (graph replays of the kernel alone on an H100: 27.6 against 42.7 us for one
-request over 512 keys, 46.1 against 58.3 for 8 over 4096, 233 against 241 for 64; at 512
-requests 2713 against 1654, where two warps win)."""
-FEW_REQUESTS = 64
-"""Decode launches of at most this many requests take DECODE_FEW."""
+request over 512 keys, 46.1 against 58.3 for 8 over 4096; at 64 requests over 512 keys 55.4
+against 47.8, and at 512 requests 2713 against 1654, where two warps win)."""
+FEW_REQUESTS = 32
+"""Decode launches of at most this many requests take DECODE_FEW (`bench.tiles --only
+prefetch` sweeps both tiles by requests)."""
 PREFILL: Tile = (128, 8, 2)
 """Many new tokens per request (prefill, long chunks): 0.37-0.40 of flash SDPA on an H200,
 against 0.27 with 64 rows and four warps."""

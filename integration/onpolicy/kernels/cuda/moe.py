@@ -180,7 +180,7 @@ def combine(
 
 
 def _tiles(expert_of_pair: torch.Tensor, num_experts: int, bm: int):
-    """The grouped GEMM's schedule, built on the device without a host sync.
+    """The grouped GEMM's schedule by torch ops, built on the device without a host sync.
 
     Returns (order, (tile_expert, tile_start, tile_end)): `order` sorts the pairs by expert
     (pairs of experts >= num_experts go last and get no tile); tile i covers sorted rows
@@ -201,6 +201,79 @@ def _tiles(expert_of_pair: torch.Tensor, num_experts: int, bm: int):
     tile_end = starts[ec] + counts[ec]
     tile_expert = torch.where(e < num_experts, e, -1)
     return order, (tile_expert, tile_start, tile_end)
+
+
+SCHEDULE_MAX_PAIRS = 4096
+"""Up to this many (token, slot) pairs the schedule is one launch (`_schedule_kernel`, every
+program reading all the pairs' ids); above, `_tiles`' torch ops (a sort and about twenty
+small kernels)."""
+
+SCHEDULE_CHUNK = 32
+"""Pairs (or tile slots) per program of `_schedule_kernel`."""
+
+
+@triton.jit
+def _gather(values, bins, at):
+    """values[at] for values [E2] and at [C]: the one bin that matches, summed."""
+    return tl.sum(tl.where(bins[None, :] == at[:, None], values[None, :], 0), 1)
+
+
+@triton.jit(do_not_specialize=["n", "n_chunks", "n_slots"])
+def _schedule_kernel(ids_ptr, order_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr,
+                     tile_end_ptr, n, k, bm, n_chunks, n_slots, NE: tl.constexpr,
+                     E2: tl.constexpr, NP: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    """`_tiles`' schedule and the rows of x (pair // k) in one launch, no host sync. Programs
+    below n_chunks place C pairs each at their stably sorted place: their expert's start, the
+    pairs of that expert in earlier chunks, and those before them in their own chunk. The
+    others write C tile slots each. Every program counts the pairs per expert (ids in [0, NE],
+    NE the non-local pairs, which sort last and get no tile) over all n <= NP pairs."""
+    pid = tl.program_id(0)
+    bins = tl.arange(0, E2)
+    i = tl.arange(0, NP)
+    ids = tl.load(ids_ptr + i, mask=i < n, other=0).to(tl.int32)
+    counts = tl.histogram(ids, E2, mask=i < n)
+    starts = tl.cumsum(counts, 0) - counts
+    if pid < n_chunks:
+        c0 = pid * C
+        before = tl.histogram(ids, E2, mask=i < c0)
+        j = c0 + tl.arange(0, C)
+        mine = tl.load(ids_ptr + j, mask=j < n, other=0).to(tl.int32)
+        same = (mine[:, None] == mine[None, :]) & (j[None, :] < j[:, None])
+        pos = _gather(starts + before, bins, mine) + tl.sum(same.to(tl.int32), 1)
+        tl.store(order_ptr + pos, j.to(tl.int64), mask=j < n)
+        tl.store(rows_ptr + pos, (j // k).to(tl.int64), mask=j < n)
+    else:
+        per = tl.where(bins < NE, (counts + bm - 1) // bm, 0)
+        cum = tl.cumsum(per, 0)
+        s = (pid - n_chunks) * C + tl.arange(0, C)
+        # searchsorted(cum[:NE], s, right=True): the experts whose tiles end at or before s
+        e = tl.sum(((cum[None, :] <= s[:, None]) & (bins[None, :] < NE)).to(tl.int32), 1)
+        ec = tl.minimum(e, NE - 1)
+        start = _gather(starts, bins, ec)
+        tl.store(tile_start_ptr + s, (start + (s - _gather(cum - per, bins, ec)) * bm)
+                 .to(tl.int64), mask=s < n_slots)  # fmt: skip
+        tl.store(tile_end_ptr + s, (start + _gather(counts, bins, ec)).to(tl.int64),
+                 mask=s < n_slots)  # fmt: skip
+        tl.store(tile_expert_ptr + s, tl.where(e < NE, e, -1).to(tl.int64), mask=s < n_slots)
+
+
+def _schedule(ids: torch.Tensor, num_experts: int, k: int, bm: int):
+    """(order, rows, (tile_expert, tile_start, tile_end)): `_tiles`' schedule and each sorted
+    pair's row of x (pair // k); one launch up to SCHEDULE_MAX_PAIRS pairs."""
+    n = ids.numel()
+    if n > SCHEDULE_MAX_PAIRS:
+        order, tiles = _tiles(ids, num_experts, bm)
+        return order, (order // k).to(torch.int64), tiles
+    n_slots = cdiv(n, bm) + num_experts
+    order, rows = (torch.empty(n, dtype=torch.int64, device=ids.device) for _ in range(2))
+    tiles = tuple(torch.empty(n_slots, dtype=torch.int64, device=ids.device) for _ in range(3))
+    n_chunks = cdiv(n, SCHEDULE_CHUNK)
+    _schedule_kernel[(n_chunks + cdiv(n_slots, SCHEDULE_CHUNK),)](
+        ids.contiguous(), order, rows, *tiles, n, k, bm, n_chunks, n_slots, NE=num_experts,
+        E2=next_power_of_2(num_experts + 1), NP=SCHEDULE_MAX_PAIRS, C=SCHEDULE_CHUNK,
+        num_warps=4,
+    )  # fmt: skip
+    return order, rows, tiles
 
 
 def expert_outputs(
@@ -282,8 +355,7 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
         mm(h, w_down, segments=segments, out=out, up=on_load)
         return out.view(t, k, hidden)
     tile = _linear.tile_for(n, w_gate.shape[1], segments, tma=False)
-    order, tiles = _tiles(ids, num_experts, tile[0])
-    rows = (order // k).to(torch.int64)
+    order, rows, tiles = _schedule(ids, num_experts, k, tile[0])
     mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=tile)
     up = mm(x, w_up, rows=rows, weight2=w_gate, out2=gate)
     # Each row is stored straight to its pair's place.
