@@ -8,7 +8,10 @@ combine.
   row of x by index, so a row's bits are those of `linear` on that row alone. Small batches
   (at most SMALL_PAIRS (token, slot) pairs) give every pair its own M-tile, the kernel reading
   the pair's expert from the ids: no sort, only the touched experts' weights are read. Larger
-  ones sort the pairs by expert (stably) and cut each expert's rows into tiles. Gate and up
+  ones sort the pairs by expert (stably) and cut each expert's rows into tiles, the schedule
+  one launch up to SCHEDULE_MAX_PAIRS pairs (`_schedule_kernel`, a counting sort that gives
+  `torch.sort`'s stable order), torch ops above. A row's bits never depend on the schedule,
+  which only decides where the row is computed. Gate and up
   are one launch, then the down projection (K in the run's expert segments), which stores each
   row at its pair's place; up to SWIGLU_ON_LOAD_MAX_PAIRS pairs it computes silu_mul(gate,
   up)'s rows as it loads them (`silu_mul`'s steps and rounding), above it reads `silu_mul`'s.
