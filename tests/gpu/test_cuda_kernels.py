@@ -326,7 +326,7 @@ def test_moe_small_batch_schedule_equals_the_sorted_one():
     assert_bitwise(K.moe(x[:1], gate, wg, wu, wd, 8), K.moe(x, gate, wg, wu, wd, 8)[:1], "moe")
 
 
-def test_moe_schedule_in_one_launch_is_the_stable_sorts():
+def test_moe_schedule_in_one_launch_is_the_stable_sorts(monkeypatch):
     """Qwen3-30B-A3B's router on the GPU: the one-launch schedule (`_schedule_kernel`) gives
     `_tiles`' torch schedule entry for entry at 9, 64 and 512 tokens (72, 512 and 4096 pairs),
     with local experts too, and as a CUDA-graph replay on new ids; 300 tokens through it give
@@ -337,7 +337,7 @@ def test_moe_schedule_in_one_launch_is_the_stable_sorts():
     assert 9 * 8 > M.SMALL_PAIRS and 512 * 8 == M.SCHEDULE_MAX_PAIRS < 600 * 8
 
     def equal(ids: torch.Tensor, bm: int) -> bool:
-        order, rows, tiles = M._schedule(ids, 128, 8, bm)
+        order, rows, tiles = M._schedule_launch(ids, 128, 8, bm)
         ref_order, ref_tiles = M._tiles(ids, 128, bm)
         return all(torch.equal(a, b) for a, b in zip((order, rows, *tiles),
                                                      (ref_order, ref_order // 8, *ref_tiles),
@@ -349,20 +349,21 @@ def test_moe_schedule_in_one_launch_is_the_stable_sorts():
         assert equal(torch.where(flat % 3 == 0, flat, 128), bm), f"{t} tokens, local experts"
     static = ids[:64].reshape(-1).clone()
     graph = torch.cuda.CUDAGraph()
-    M._schedule(static, 128, 8, 64)  # compiled before the capture
+    M._schedule_launch(static, 128, 8, 64)  # compiled before the capture
     with torch.cuda.graph(graph):
-        captured = M._schedule(static, 128, 8, 64)
+        captured = M._schedule_launch(static, 128, 8, 64)
     static.copy_(ids[64:128].reshape(-1))
     graph.replay()
     ref_order, ref_tiles = M._tiles(static, 128, 64)
     assert torch.equal(captured[0], ref_order), "replayed order"
     assert all(torch.equal(a, b) for a, b in zip(captured[2], ref_tiles, strict=True)), "tiles"
-    full = K.moe_expert_outputs(x, ids, wg, wu, wd)
+    full = K.moe_expert_outputs(x, ids, wg, wu, wd)  # above SCHEDULE_MAX_PAIRS: torch's
+    monkeypatch.setattr(M, "ONE_LAUNCH_SCHEDULE", True)
     assert_bitwise(K.moe_expert_outputs(x[:300], ids[:300], wg, wu, wd), full[:300], "300 tokens")
     swap = ids[:64].reshape(-1).clone()
     j = int((swap != swap[0]).nonzero()[0])
     swap[0], swap[j] = swap[j].clone(), swap[0].clone()
-    order, _, tiles = M._schedule(ids[:64].reshape(-1), 128, 8, 64)
+    order, _, tiles = M._schedule_launch(ids[:64].reshape(-1), 128, 8, 64)
     ref_order, ref_tiles = M._tiles(swap, 128, 64)
     assert not all(
         torch.equal(a, b) for a, b in zip((order, *tiles), (ref_order, *ref_tiles), strict=True)

@@ -513,9 +513,9 @@ def moe_schedule_is_the_stable_sorts() -> None:
     """The one-launch schedule (`_schedule_kernel`) gives `_tiles`' torch schedule, entry for
     entry: the stable sort of the pairs by expert, each sorted pair's row of x, and every tile
     slot's expert, start and end, for batches with few or many rows an expert, non-local
-    pairs (id num_experts) and none local, up to SCHEDULE_MAX_PAIRS. Control: the same
-    comparison against the schedule of the ids with two pairs of different experts swapped
-    fails."""
+    pairs (id num_experts) and none local, up to SCHEDULE_MAX_PAIRS; with ONE_LAUNCH_SCHEDULE
+    the expert outputs keep their bits. Control: the same comparison against the schedule of
+    the ids with two pairs of different experts swapped fails."""
     g = torch.Generator().manual_seed(11)
     cases = [(65, 128, 8, 64, 128), (70, 4, 2, 64, 1), (512, 128, 8, 64, 3),
              (moe.SCHEDULE_MAX_PAIRS, 128, 8, 128, 129), (100, 8, 2, 16, 9),
@@ -528,7 +528,7 @@ def moe_schedule_is_the_stable_sorts() -> None:
         ids = torch.randint(0, spread, (n,), generator=g).clamp(max=experts)
         if spread == 1:
             ids = torch.full((n,), experts)  # every pair non-local: no tile has an expert
-        order, rows, tiles = moe._schedule(ids, experts, k, bm)
+        order, rows, tiles = moe._schedule_launch(ids, experts, k, bm)
         ref_order, ref_tiles = moe._tiles(ids, experts, bm)
         where = f"{n} pairs, {experts} experts, k {k}, {bm}-row tiles"
         assert equal((order, rows, *tiles), (ref_order, ref_order // k, *ref_tiles)), where
@@ -537,6 +537,17 @@ def moe_schedule_is_the_stable_sorts() -> None:
     swap[i], swap[j] = ids[j], ids[i]
     ref_order, ref_tiles = moe._tiles(swap, experts, bm)
     assert not equal((order, *tiles), (ref_order, *ref_tiles)), "the comparison cannot fail"
+    x, w = wide(40, 64, seed=12), [randn(8, *s, seed=13 + j) * 0.1 for j, s in
+                                   enumerate([(32, 64), (32, 64), (64, 32)])]  # fmt: skip
+    ids = torch.randint(0, 8, (40, 2), generator=g)
+    assert ids.numel() > moe.SMALL_PAIRS, "the sorted path must run"
+    plain = moe.expert_outputs(x, ids, *w, local_experts=[0, 3, 5])
+    moe.ONE_LAUNCH_SCHEDULE = True
+    try:
+        launched = moe.expert_outputs(x, ids, *w, local_experts=[0, 3, 5])
+    finally:
+        moe.ONE_LAUNCH_SCHEDULE = False
+    assert_bitwise(launched, plain, "expert outputs through the one-launch schedule")
 
 
 @check

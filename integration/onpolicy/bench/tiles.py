@@ -399,7 +399,7 @@ def moe(dev: torch.device) -> None:
 
 def schedule(dev: torch.device) -> None:
     """The sorted MoE path's schedule as graph replays: one launch (`_schedule_kernel`)
-    against `_tiles`' torch ops, then the MoE layer with each (SCHEDULE_MAX_PAIRS 0: torch),
+    against `_tiles`' torch ops, then the MoE layer with each (`ONE_LAUNCH_SCHEDULE`),
     and at decode's batches the layer at the sorted path's candidate tiles."""
     cfg = QWEN3_30B_A3B
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -413,7 +413,7 @@ def schedule(dev: torch.device) -> None:
         return order, order // top, *tiles
 
     def in_one_launch(ids: torch.Tensor, bm: int) -> tuple:
-        order, rows, tiles = M._schedule(ids, e, top, bm)
+        order, rows, tiles = M._schedule_launch(ids, e, top, bm)
         return order, rows, *tiles
 
     for m in (64, 128, 512):
@@ -427,8 +427,8 @@ def schedule(dev: torch.device) -> None:
             ok = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
             times.append(f"{ms(g.replay) * 1e3:.1f} us {'same' if ok else 'DIFFERENT'}")
         layers = []
-        for cap in (0, M.SCHEDULE_MAX_PAIRS):
-            with setting(M, SCHEDULE_MAX_PAIRS=cap):
+        for one_launch in (False, True):
+            with setting(M, ONE_LAUNCH_SCHEDULE=one_launch):
                 g, y = captured(partial(K.moe, x, gate, wg, wu, wd, top))
                 g.replay()
                 layers.append((ms(g.replay) * 1e3, y))

@@ -54,8 +54,9 @@ loads in flight (graph replays of the kernel alone on an H100: 27.6 against 42.7
 request over 512 keys, 46.1 against 58.3 for 8 over 4096; at 64 requests over 512 keys 55.4
 against 47.8, and at 512 requests 2713 against 1654, where two warps win)."""
 FEW_REQUESTS = 32
-"""Decode launches of at most this many requests take DECODE_FEW (`bench.tiles --only
-prefetch` sweeps both tiles by requests)."""
+"""Decode launches of at most this many requests take DECODE_FEW. Measured at 8 requests (eight
+warps ahead) and at 64 (two warps ahead over 512 keys, even over 4096: 235.1 against 235.2
+us); the counts between are not, and `bench.tiles --only prefetch` sweeps 16, 32 and 48."""
 PREFILL: Tile = (128, 8, 2)
 """Many new tokens per request (prefill, long chunks): 0.37-0.40 of flash SDPA on an H200,
 against 0.27 with 64 rows and four warps."""

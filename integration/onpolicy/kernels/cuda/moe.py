@@ -9,11 +9,11 @@ combine.
   (at most SMALL_PAIRS (token, slot) pairs) give every pair its own M-tile, the kernel reading
   the pair's expert from the ids: no sort, only the touched experts' weights are read. Larger
   ones sort the pairs by expert (stably) and cut each expert's rows into tiles, the schedule
-  one launch up to SCHEDULE_MAX_PAIRS pairs (`_schedule_kernel`, a counting sort that gives
-  `torch.sort`'s stable order), torch ops above. A row's bits never depend on the schedule,
-  which only decides where the row is computed. Gate and up
-  are one launch, then the down projection (K in the run's expert segments), which stores each
-  row at its pair's place; up to SWIGLU_ON_LOAD_MAX_PAIRS pairs it computes silu_mul(gate,
+  by torch ops, or with ONE_LAUNCH_SCHEDULE (off) in one launch up to SCHEDULE_MAX_PAIRS
+  pairs (`_schedule_kernel`, a counting sort that gives `torch.sort`'s stable order). A row's
+  bits never depend on the schedule, which only decides where the row is computed. Gate and
+  up are one launch, then the down projection (K in the run's expert segments), which stores
+  each row at its pair's place; up to SWIGLU_ON_LOAD_MAX_PAIRS pairs it computes silu_mul(gate,
   up)'s rows as it loads them (`silu_mul`'s steps and rounding), above it reads `silu_mul`'s.
 - Combine: one program per token (`_combine_kernel`): the slots in ascending expert-id order,
   weight * output in fp32, the pairwise tree of 1, 2, 4 or 8 terms written out, rounded once:
@@ -206,10 +206,15 @@ def _tiles(expert_of_pair: torch.Tensor, num_experts: int, bm: int):
     return order, (tile_expert, tile_start, tile_end)
 
 
+ONE_LAUNCH_SCHEDULE = False
+"""Whether the sorted path builds its schedule in one launch (`_schedule_launch`, up to
+SCHEDULE_MAX_PAIRS pairs) rather than by `_tiles`' torch ops (a sort and about twenty small
+kernels). Off: the launch is checked against the torch ops entry for entry by Triton's
+interpreter, and has not run on a GPU (`test_moe_schedule_in_one_launch_is_the_stable_sorts`
+and `bench.tiles --only schedule` turn it on there)."""
+
 SCHEDULE_MAX_PAIRS = 4096
-"""Up to this many (token, slot) pairs the schedule is one launch (`_schedule_kernel`, every
-program reading all the pairs' ids); above, `_tiles`' torch ops (a sort and about twenty
-small kernels)."""
+"""Pairs `_schedule_kernel` takes at most: every program reads all the pairs' ids."""
 
 SCHEDULE_CHUNK = 32
 """Pairs (or tile slots) per program of `_schedule_kernel`."""
@@ -262,11 +267,20 @@ def _schedule_kernel(ids_ptr, order_ptr, rows_ptr, tile_expert_ptr, tile_start_p
 
 def _schedule(ids: torch.Tensor, num_experts: int, k: int, bm: int):
     """(order, rows, (tile_expert, tile_start, tile_end)): `_tiles`' schedule and each sorted
-    pair's row of x (pair // k); one launch up to SCHEDULE_MAX_PAIRS pairs."""
+    pair's row of x (pair // k); one launch with ONE_LAUNCH_SCHEDULE up to SCHEDULE_MAX_PAIRS
+    pairs."""
+    if ONE_LAUNCH_SCHEDULE and ids.numel() <= SCHEDULE_MAX_PAIRS:
+        return _schedule_launch(ids, num_experts, k, bm)
+    order, tiles = _tiles(ids, num_experts, bm)
+    return order, (order // k).to(torch.int64), tiles
+
+
+def _schedule_launch(ids: torch.Tensor, num_experts: int, k: int, bm: int):
+    """`_schedule` by `_schedule_kernel`, for at most SCHEDULE_MAX_PAIRS pairs."""
     n = ids.numel()
     if n > SCHEDULE_MAX_PAIRS:
-        order, tiles = _tiles(ids, num_experts, bm)
-        return order, (order // k).to(torch.int64), tiles
+        raise ValueError(f"moe schedule: {n} pairs; one launch takes at most "
+                         f"SCHEDULE_MAX_PAIRS = {SCHEDULE_MAX_PAIRS}")  # fmt: skip
     n_slots = cdiv(n, bm) + num_experts
     order, rows = (torch.empty(n, dtype=torch.int64, device=ids.device) for _ in range(2))
     tiles = tuple(torch.empty(n_slots, dtype=torch.int64, device=ids.device) for _ in range(3))
