@@ -356,6 +356,7 @@ def test_moe_schedule_in_one_launch_is_the_stable_sorts(monkeypatch):
     graph.replay()
     ref_order, ref_tiles = M._tiles(static, 128, 64)
     assert torch.equal(captured[0], ref_order), "replayed order"
+    assert torch.equal(captured[1], ref_order // 8), "replayed rows"
     assert all(torch.equal(a, b) for a, b in zip(captured[2], ref_tiles, strict=True)), "tiles"
     full = K.moe_expert_outputs(x, ids, wg, wu, wd)  # above SCHEDULE_MAX_PAIRS: torch's
     monkeypatch.setattr(M, "ONE_LAUNCH_SCHEDULE", True)
