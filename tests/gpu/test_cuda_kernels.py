@@ -336,17 +336,20 @@ def test_moe_schedule_in_one_launch_is_the_stable_sorts(monkeypatch):
     ids, _ = K.moe_route(x, gate, 8)
     assert 9 * 8 > M.SMALL_PAIRS and 512 * 8 == M.SCHEDULE_MAX_PAIRS < 600 * 8
 
+    def flat(schedule: tuple) -> tuple:
+        order, rows, tiles = schedule
+        return order, rows, *tiles
+
+    def same(a: tuple, b: tuple) -> bool:
+        return all(torch.equal(u, v) for u, v in zip(flat(a), flat(b), strict=True))
+
     def equal(ids: torch.Tensor, bm: int) -> bool:
-        order, rows, tiles = M._schedule_launch(ids, 128, 8, bm)
-        ref_order, ref_tiles = M._tiles(ids, 128, bm)
-        return all(torch.equal(a, b) for a, b in zip((order, rows, *tiles),
-                                                     (ref_order, ref_order // 8, *ref_tiles),
-                                                     strict=True))  # fmt: skip
+        return same(M._schedule_launch(ids, 128, 8, bm), M._schedule_torch(ids, 128, 8, bm))
 
     for t, bm in ((9, 64), (64, 64), (512, 128)):
-        flat = ids[:t].reshape(-1)
-        assert equal(flat, bm), f"{t} tokens"
-        assert equal(torch.where(flat % 3 == 0, flat, 128), bm), f"{t} tokens, local experts"
+        pairs = ids[:t].reshape(-1)
+        assert equal(pairs, bm), f"{t} tokens"
+        assert equal(torch.where(pairs % 3 == 0, pairs, 128), bm), f"{t} tokens, local experts"
     static = ids[:64].reshape(-1).clone()
     graph = torch.cuda.CUDAGraph()
     M._schedule_launch(static, 128, 8, 64)  # compiled before the capture
@@ -354,18 +357,12 @@ def test_moe_schedule_in_one_launch_is_the_stable_sorts(monkeypatch):
         captured = M._schedule_launch(static, 128, 8, 64)
     static.copy_(ids[64:128].reshape(-1))
     graph.replay()
-    ref_order, ref_tiles = M._tiles(static, 128, 64)
-    assert torch.equal(captured[0], ref_order), "replayed order"
-    assert torch.equal(captured[1], ref_order // 8), "replayed rows"
-    assert all(torch.equal(a, b) for a, b in zip(captured[2], ref_tiles, strict=True)), "tiles"
+    assert same(captured, M._schedule_torch(static, 128, 8, 64)), "the replay's schedule"
     full = K.moe_expert_outputs(x, ids, wg, wu, wd)  # above SCHEDULE_MAX_PAIRS: torch's
     monkeypatch.setattr(M, "ONE_LAUNCH_SCHEDULE", True)
     assert_bitwise(K.moe_expert_outputs(x[:300], ids[:300], wg, wu, wd), full[:300], "300 tokens")
     swap = ids[:64].reshape(-1).clone()
     j = int((swap != swap[0]).nonzero()[0])
     swap[0], swap[j] = swap[j].clone(), swap[0].clone()
-    order, _, tiles = M._schedule_launch(ids[:64].reshape(-1), 128, 8, 64)
-    ref_order, ref_tiles = M._tiles(swap, 128, 64)
-    assert not all(
-        torch.equal(a, b) for a, b in zip((order, *tiles), (ref_order, *ref_tiles), strict=True)
-    ), "the control cannot fail"
+    launched = M._schedule_launch(ids[:64].reshape(-1), 128, 8, 64)
+    assert not same(launched, M._schedule_torch(swap, 128, 8, 64)), "the control cannot fail"

@@ -521,32 +521,31 @@ def moe_schedule_is_the_stable_sorts() -> None:
              (moe.SCHEDULE_MAX_PAIRS, 128, 8, 128, 129), (100, 8, 2, 16, 9),
              (333, 16, 1, 32, 16)]  # fmt: skip
 
-    def equal(got, ref) -> bool:
-        return all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    def equal(a: tuple, b: tuple) -> bool:
+        (oa, ra, ta), (ob, rb, tb) = a, b
+        return all(torch.equal(x, y) for x, y in zip((oa, ra, *ta), (ob, rb, *tb), strict=True))
 
     for n, experts, k, bm, spread in cases:
         ids = torch.randint(0, spread, (n,), generator=g).clamp(max=experts)
         if spread == 1:
             ids = torch.full((n,), experts)  # every pair non-local: no tile has an expert
-        order, rows, tiles = moe._schedule_launch(ids, experts, k, bm)
-        ref_order, ref_tiles = moe._tiles(ids, experts, bm)
+        launched = moe._schedule_launch(ids, experts, k, bm)
         where = f"{n} pairs, {experts} experts, k {k}, {bm}-row tiles"
-        assert equal((order, rows, *tiles), (ref_order, ref_order // k, *ref_tiles)), where
+        assert equal(launched, moe._schedule_torch(ids, experts, k, bm)), where
     swap = ids.clone()
     i, j = 0, int((ids != ids[0]).nonzero()[0])
     swap[i], swap[j] = ids[j], ids[i]
-    ref_order, ref_tiles = moe._tiles(swap, experts, bm)
-    assert not equal((order, *tiles), (ref_order, *ref_tiles)), "the comparison cannot fail"
+    assert not equal(launched, moe._schedule_torch(swap, experts, k, bm)), "it cannot fail"
     x, w = wide(40, 64, seed=12), [randn(8, *s, seed=13 + j) * 0.1 for j, s in
                                    enumerate([(32, 64), (32, 64), (64, 32)])]  # fmt: skip
     ids = torch.randint(0, 8, (40, 2), generator=g)
     assert ids.numel() > moe.SMALL_PAIRS, "the sorted path must run"
     plain = moe.expert_outputs(x, ids, *w, local_experts=[0, 3, 5])
-    moe.ONE_LAUNCH_SCHEDULE = True
+    saved, moe.ONE_LAUNCH_SCHEDULE = moe.ONE_LAUNCH_SCHEDULE, True
     try:
         launched = moe.expert_outputs(x, ids, *w, local_experts=[0, 3, 5])
     finally:
-        moe.ONE_LAUNCH_SCHEDULE = False
+        moe.ONE_LAUNCH_SCHEDULE = saved
     assert_bitwise(launched, plain, "expert outputs through the one-launch schedule")
 
 

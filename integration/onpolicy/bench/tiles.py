@@ -408,21 +408,17 @@ def schedule(dev: torch.device) -> None:
     wg, wu = (torch.randn(e, i, h, device=dev, dtype=DTYPE) * 0.02 for _ in range(2))
     wd = torch.randn(e, h, i, device=dev, dtype=DTYPE) * 0.02
 
-    def by_torch(ids: torch.Tensor, bm: int) -> tuple:
-        order, tiles = M._tiles(ids, e, bm)
-        return order, order // top, *tiles
-
-    def in_one_launch(ids: torch.Tensor, bm: int) -> tuple:
-        order, rows, tiles = M._schedule_launch(ids, e, top, bm)
+    def flat(schedule, ids: torch.Tensor, bm: int) -> tuple:
+        order, rows, tiles = schedule(ids, e, top, bm)
         return order, rows, *tiles
 
     for m in (64, 128, 512):
         x = torch.randn(m, h, device=dev, dtype=DTYPE)
         ids = K.moe_route(x, gate, top)[0].reshape(-1)
         bm = L.tile_for(ids.numel(), i, tma=False)[0]
-        ref, times = by_torch(ids, bm), []
-        for fn in (by_torch, in_one_launch):
-            g, got = captured(partial(fn, ids, bm))
+        ref, times = flat(M._schedule_torch, ids, bm), []
+        for schedule in (M._schedule_torch, M._schedule_launch):
+            g, got = captured(partial(flat, schedule, ids, bm))
             g.replay()
             ok = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
             times.append(f"{ms(g.replay) * 1e3:.1f} us {'same' if ok else 'DIFFERENT'}")

@@ -271,8 +271,13 @@ def _schedule(ids: torch.Tensor, num_experts: int, k: int, bm: int):
     pairs."""
     if ONE_LAUNCH_SCHEDULE and ids.numel() <= SCHEDULE_MAX_PAIRS:
         return _schedule_launch(ids, num_experts, k, bm)
+    return _schedule_torch(ids, num_experts, k, bm)
+
+
+def _schedule_torch(ids: torch.Tensor, num_experts: int, k: int, bm: int):
+    """`_schedule` by `_tiles`' torch ops."""
     order, tiles = _tiles(ids, num_experts, bm)
-    return order, (order // k).to(torch.int64), tiles
+    return order, order // k, tiles
 
 
 def _schedule_launch(ids: torch.Tensor, num_experts: int, k: int, bm: int):
