@@ -540,13 +540,14 @@ def moe_schedule_is_the_stable_sorts() -> None:
                                    enumerate([(32, 64), (32, 64), (64, 32)])]  # fmt: skip
     ids = torch.randint(0, 8, (40, 2), generator=g)
     assert ids.numel() > moe.SMALL_PAIRS, "the sorted path must run"
-    plain = moe.expert_outputs(x, ids, *w, local_experts=[0, 3, 5])
-    saved, moe.ONE_LAUNCH_SCHEDULE = moe.ONE_LAUNCH_SCHEDULE, True
+    outputs, saved = {}, moe.ONE_LAUNCH_SCHEDULE
     try:
-        launched = moe.expert_outputs(x, ids, *w, local_experts=[0, 3, 5])
+        for one_launch in (False, True):
+            moe.ONE_LAUNCH_SCHEDULE = one_launch
+            outputs[one_launch] = moe.expert_outputs(x, ids, *w, local_experts=[0, 3, 5])
     finally:
         moe.ONE_LAUNCH_SCHEDULE = saved
-    assert_bitwise(launched, plain, "expert outputs through the one-launch schedule")
+    assert_bitwise(outputs[True], outputs[False], "expert outputs through the one-launch schedule")
 
 
 @check

@@ -5,7 +5,8 @@ options, and how Triton specializes the other arguments (pointer alignment; an i
 1 or divisible by 16). The integers that grow with the batch are left unspecialized
 (`linear`, `attention`, `elementwise`), so a batch's variants follow only from the choices the
 host makes from its shape: the GEMM's tile from the rows (`linear.ROW_BOUNDS`), the MoE's path
-and tile from the (token, slot) pairs (`moe.SMALL_PAIRS`), attention's tile from rows per
+and tile from the (token, slot) pairs (`moe.SMALL_PAIRS`; the sorted path's schedule is one
+variant up to `moe.SCHEDULE_MAX_PAIRS`, torch ops above), attention's tile from rows per
 request and its split from the keys and tiles (`attention.split_for`). Each choice is a step
 function of the token count for a fixed kind of batch, so batches on both sides of every step,
 of each kind, launch every variant that any batch of at most `max_tokens` tokens launches
