@@ -326,6 +326,44 @@ def test_moe_small_batch_schedule_equals_the_sorted_one():
     assert_bitwise(K.moe(x[:1], gate, wg, wu, wd, 8), K.moe(x, gate, wg, wu, wd, 8)[:1], "moe")
 
 
+def test_moe_sorted_path_at_the_small_tile_keeps_the_bits(monkeypatch):
+    """Qwen3-30B-A3B's MoE shape in bf16: with `SORTED_SMALL_TILE_MAX_PAIRS` at 512, 9 and 64
+    tokens (72 and 512 pairs) take the sorted path at SMALL_TILE and give the bits of 600
+    tokens at linear's tiles, at S = 1 and 2 and with local experts; the MoE layer at 64 tokens
+    as a CUDA-graph replay on new tokens too. Control: torch's bf16 matmuls for the same rows
+    give other bits."""
+    gate, wg, wu, wd, x = _qwen3_moe(seed=36)
+    ids, _ = K.moe_route(x, gate, 8)
+    local = list(range(0, 128, 3))
+    full = {s: K.moe_expert_outputs(x, ids, wg, wu, wd, segments=s) for s in (1, 2)}
+    part = K.moe_expert_outputs(x, ids, wg, wu, wd, local_experts=local)
+    layer = K.moe(x, gate, wg, wu, wd, 8)
+    monkeypatch.setattr(M, "SORTED_SMALL_TILE_MAX_PAIRS", 512)
+    assert M._sorted_tile(600 * 8, 768, 1) == L.tile_for(600 * 8, 768, tma=False)
+    for t in (9, 64):
+        n = t * 8
+        assert M.SMALL_PAIRS < n and M._sorted_tile(n, 768, 1) == M.SMALL_TILE
+        assert M.SMALL_TILE != L.tile_for(n, 768, tma=False), "the tile must change"
+        for s, ref in full.items():
+            got = K.moe_expert_outputs(x[:t], ids[:t], wg, wu, wd, segments=s)
+            assert_bitwise(got, ref[:t], f"{t} tokens, S {s}")
+        got = K.moe_expert_outputs(x[:t], ids[:t], wg, wu, wd, local_experts=local)
+        assert_bitwise(got, part[:t], f"{t} tokens, local experts")
+    static = x[:64].clone()
+    K.moe(static, gate, wg, wu, wd, 8)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.moe(static, gate, wg, wu, wd, 8)
+    static.copy_(x[64:128])
+    graph.replay()
+    assert_bitwise(captured, layer[64:128], "the replayed layer")
+    e = ids[:4, 0]
+    silu = torch.nn.functional.silu
+    plain = torch.stack([(silu(x[j] @ wg[e[j]].T) * (x[j] @ wu[e[j]].T)) @ wd[e[j]].T
+                         for j in range(4)])  # fmt: skip
+    assert not torch.equal(plain.view(torch.int16), full[1][:4, 0].view(torch.int16)), "control"
+
+
 def test_moe_schedule_in_one_launch_is_the_stable_sorts(monkeypatch):
     """Qwen3-30B-A3B's router on the GPU: the one-launch schedule (`_schedule_kernel`) gives
     `_tiles`' torch schedule entry for entry at 9, 64 and 512 tokens (72, 512 and 4096 pairs),

@@ -454,10 +454,11 @@ def swiglu_ref(x, ids, wg, wu, wd):
 
 @check
 def moe_grouped_rows_equal_linear_per_expert() -> None:
-    """Each (token, slot) of the grouped GEMM gives the bits of `linear` on that row alone;
-    local experts select rows; both backends' router logits and expert outputs are within
-    their bounds, and tokens whose routing is decided by more than the bounds get the
-    float64 reference's experts on both."""
+    """Each (token, slot) of the grouped GEMM gives the bits of `linear` on that row alone, at
+    linear's tile and at SMALL_TILE (`SORTED_SMALL_TILE_MAX_PAIRS`); local experts select
+    rows; both backends' router logits and expert outputs are within their bounds, and tokens
+    whose routing is decided by more than the bounds get the float64 reference's experts on
+    both."""
     e, h, i, t, top = 8, 256, 64, 40, 2
     # A small gate keeps the router's probabilities normal fp32 numbers: no ties at zero.
     x, gate = wide(t, h, seed=7), randn(e, h, seed=70) * 2.0**-8
@@ -466,6 +467,14 @@ def moe_grouped_rows_equal_linear_per_expert() -> None:
     )
     ids, weights = moe.route(x, gate, top)
     out = moe.expert_outputs(x, ids, wg, wu, wd)
+    saved = moe.SORTED_SMALL_TILE_MAX_PAIRS
+    try:  # the sorted path at SMALL_TILE, not linear's tile: the same rows
+        moe.SORTED_SMALL_TILE_MAX_PAIRS = t * top
+        tile = linear.tile_for(t * top, i, tma=False)
+        assert moe._sorted_tile(t * top, i, 1) == moe.SMALL_TILE != tile, tile
+        assert_bitwise(moe.expert_outputs(x, ids, wg, wu, wd), out, "the sorted path at SMALL_TILE")
+    finally:
+        moe.SORTED_SMALL_TILE_MAX_PAIRS = saved
     for tok in (0, 17, 39):
         for s in range(top):
             ex = int(ids[tok, s])

@@ -63,6 +63,8 @@ SMALL_MOE_TILES: tuple[L.Tile, ...] = ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4),
 SORTED_MOE_TILES: tuple[L.Tile, ...] = ((16, 64, 128, 4, 4), (16, 32, 256, 4, 3),
                                         (16, 128, 128, 4, 3), (32, 64, 128, 4, 4))  # fmt: skip
 """Candidates for the sorted MoE path when each expert holds a few rows (decode at B = 64)."""
+SORTED_SMALL_TILE_CANDIDATE = 1024
+"""Pairs up to which `schedule` times the sorted path at SMALL_TILE against linear's tile."""
 
 
 def ms(fn: Callable[[], object]) -> float:
@@ -399,8 +401,9 @@ def moe(dev: torch.device) -> None:
 
 def schedule(dev: torch.device) -> None:
     """The sorted MoE path's schedule as graph replays: one launch (`_schedule_kernel`)
-    against `_tiles`' torch ops, then the MoE layer with each (`ONE_LAUNCH_SCHEDULE`),
-    and at decode's batches the layer at the sorted path's candidate tiles."""
+    against `_tiles`' torch ops, then the MoE layer with each (`ONE_LAUNCH_SCHEDULE`); at
+    decode's batches the layer with its GEMMs at SMALL_TILE (`SORTED_SMALL_TILE_MAX_PAIRS`)
+    and with every launch at the sorted path's candidate tiles."""
     cfg = QWEN3_30B_A3B
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     top = cfg.num_experts_per_tok
@@ -433,6 +436,14 @@ def schedule(dev: torch.device) -> None:
             f"one launch {times[1]}; the MoE layer {layers[0][0]:.1f} us with torch's, "
             f"{layers[1][0]:.1f} us with one launch ({same(layers[1][1], layers[0][1])})"
         )
+        if m * top <= SORTED_SMALL_TILE_CANDIDATE:
+            with setting(M, ONE_LAUNCH_SCHEDULE=True, SORTED_SMALL_TILE_MAX_PAIRS=m * top):
+                g, y = captured(partial(K.moe, x, gate, wg, wu, wd, top))
+                g.replay()
+                print(
+                    f"  few rows, M = {m}: the MoE layer {layers[-1][0]:.1f} us at linear's "
+                    f"tile, {ms(g.replay) * 1e3:.1f} us at SMALL_TILE ({same(y, layers[-1][1])})"
+                )
         # A few rows an expert: the grouped GEMM's tile (BLOCK_M cuts each expert's rows).
         for tile in SORTED_MOE_TILES if m <= 128 else ():
             with setting(L, FORCE=tile):

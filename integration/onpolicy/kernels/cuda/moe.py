@@ -8,13 +8,14 @@ combine.
   row of x by index, so a row's bits are those of `linear` on that row alone. Small batches
   (at most SMALL_PAIRS (token, slot) pairs) give every pair its own M-tile, the kernel reading
   the pair's expert from the ids: no sort, only the touched experts' weights are read. Larger
-  ones sort the pairs by expert (stably) and cut each expert's rows into tiles, the schedule
-  in one launch up to SCHEDULE_MAX_PAIRS pairs (`_schedule_kernel`, a counting sort that gives
-  `torch.sort`'s stable order; ONE_LAUNCH_SCHEDULE), by torch ops above. A row's
-  bits never depend on the schedule, which only decides where the row is computed. Gate and
-  up are one launch, then the down projection (K in the run's expert segments), which stores
-  each row at its pair's place; up to SWIGLU_ON_LOAD_MAX_PAIRS pairs it computes silu_mul(gate,
-  up)'s rows as it loads them (`silu_mul`'s steps and rounding), above it reads `silu_mul`'s.
+  ones sort the pairs by expert (stably) and cut each expert's rows into tiles (linear's for
+  their rows, or SMALL_TILE up to SORTED_SMALL_TILE_MAX_PAIRS), the schedule in one launch up
+  to SCHEDULE_MAX_PAIRS pairs (`_schedule_kernel`, a counting sort that gives `torch.sort`'s
+  stable order; ONE_LAUNCH_SCHEDULE), by torch ops above. A row's bits never depend on the
+  schedule, which only decides where the row is computed. Gate and up are one launch, then
+  the down projection (K in the run's expert segments), which stores each row at its pair's
+  place; up to SWIGLU_ON_LOAD_MAX_PAIRS pairs it computes silu_mul(gate, up)'s rows as it loads
+  them (`silu_mul`'s steps and rounding), above it reads `silu_mul`'s.
 - Combine: one program per token (`_combine_kernel`): the slots in ascending expert-id order,
   weight * output in fp32, the pairwise tree of 1, 2, 4 or 8 terms written out, rounded once:
   the CPU backend's torch ops, step for step. Merge: the shared selection.
@@ -55,6 +56,14 @@ and 951.7 against 523.2 us at 64 with it (docs/benchmarks.md)."""
 SMALL_TILE = (16, 64, 128, 4, 4)
 """The per-pair tile: 16 rows (one used), as few as the tensor core takes. Same bits as any
 other tile (`tests/gpu/test_cuda_kernels.py`)."""
+
+SORTED_SMALL_TILE_MAX_PAIRS = 0
+"""Up to this many pairs the sorted path's GEMMs run SMALL_TILE, not linear's tile for their
+rows: past SMALL_PAIRS an expert holds a few rows (4 on average at 512 pairs over 128
+experts), so a 64-row tile mostly multiplies padding. Same bits as any tile. 0, linear's tile:
+on an H100 the MoE layer at 512 pairs took 499.2 us with every launch at SMALL_TILE against
+530.1 at linear's tiles, with the torch ops' schedule; with the one-launch schedule it is not
+yet timed (`bench.tiles --only schedule`). The engine warm-up steps at its bound."""
 
 
 @triton.jit
@@ -357,6 +366,14 @@ def _down_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torc
     return silu_mul(gate, up), None
 
 
+def _sorted_tile(pairs: int, cols: int, segments: int):
+    """The sorted path's GEMM tile: SMALL_TILE up to SORTED_SMALL_TILE_MAX_PAIRS pairs (unless a
+    test forces every launch's tile), linear's above."""
+    if _linear.FORCE is None and pairs <= SORTED_SMALL_TILE_MAX_PAIRS:
+        return SMALL_TILE
+    return _linear.tile_for(pairs, cols, segments, tma=False)
+
+
 def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segments):
     t, k = topk_ids.shape
     num_experts, hidden = w_gate.shape[0], w_down.shape[1]
@@ -376,7 +393,7 @@ def _expert_outputs_exact(x, w_gate, w_up, w_down, topk_ids, local_experts, segm
         h, on_load = _down_rows(gate, up)
         mm(h, w_down, segments=segments, out=out, up=on_load)
         return out.view(t, k, hidden)
-    tile = _linear.tile_for(n, w_gate.shape[1], segments, tma=False)
+    tile = _sorted_tile(n, w_gate.shape[1], segments)
     order, rows, tiles = _schedule(ids, num_experts, k, tile[0])
     mm = partial(tree_mm, out_dtype=x.dtype, tiles=tiles, out_rows=n, tile=tile)
     up = mm(x, w_up, rows=rows, weight2=w_gate, out2=gate)

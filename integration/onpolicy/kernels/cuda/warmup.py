@@ -5,12 +5,13 @@ options, and how Triton specializes the other arguments (pointer alignment; an i
 1 or divisible by 16). The integers that grow with the batch are left unspecialized
 (`linear`, `attention`, `elementwise`), so a batch's variants follow only from the choices the
 host makes from its shape: the GEMM's tile from the rows (`linear.ROW_BOUNDS`), the MoE's path
-and tile from the (token, slot) pairs (`moe.SMALL_PAIRS`; the sorted path's schedule is one
-variant up to `moe.SCHEDULE_MAX_PAIRS`, torch ops above), attention's tile from rows per
-request and its split from the keys and tiles (`attention.split_for`). Each choice is a step
-function of the token count for a fixed kind of batch, so batches on both sides of every step,
-of each kind, launch every variant that any batch of at most `max_tokens` tokens launches
-(`warmup_batches`). `warm_up` runs them through the caller's forward and counts the compiles.
+and tile from the (token, slot) pairs (`moe.SMALL_PAIRS`, `moe.SORTED_SMALL_TILE_MAX_PAIRS`;
+the sorted path's schedule is one variant up to `moe.SCHEDULE_MAX_PAIRS`, torch ops above),
+attention's tile from rows per request and its split from the keys and tiles
+(`attention.split_for`). Each choice is a step function of the token count for a fixed kind of
+batch, so batches on both sides of every step, of each kind, launch every variant that any
+batch of at most `max_tokens` tokens launches (`warmup_batches`). `warm_up` runs them through
+the caller's forward and counts the compiles.
 
 Scope: packed prefill of whole sequences (the trainer's forward, and the reference model's
 `score`), and with `request_bounds` an engine's extend batches (`rollout.warmup`). The paged
@@ -72,7 +73,8 @@ def token_bounds(top_k: int, q_per_kv: int, kv_heads: int, max_tokens: int,
     """Token counts T at which some host choice changes between T and T + 1, for a batch of one
     sequence or of T one-token sequences (attention's tiles follow the dtype)."""
     # The MoE's path, then its grouped tile (only past SMALL_PAIRS), in (token, slot) pairs.
-    pairs = (moe.SMALL_PAIRS, *(b for b in linear.ROW_BOUNDS if b > moe.SMALL_PAIRS))
+    grouped = (*linear.ROW_BOUNDS, moe.SORTED_SMALL_TILE_MAX_PAIRS)
+    pairs = (moe.SMALL_PAIRS, *(b for b in grouped if b > moe.SMALL_PAIRS))
     bounds = {*linear.ROW_BOUNDS, *(b // top_k for b in pairs), attention.KV_PARTITION,
               attention.FEW_REQUESTS}  # fmt: skip
     split = [c for c in range(attention.KV_PARTITION + 1, max_tokens + 1)
