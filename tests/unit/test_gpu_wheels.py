@@ -382,3 +382,33 @@ def test_install_loop_refuses_a_missing_part_or_a_changed_piece_before_pip_runs(
     with pytest.raises(UpstreamError, match=rf"parts \[{ray.pieces[-1].part}\] of"):
         gpu_lean.install_loop(tmp_path / "loop", tmp_path / "site")
     assert ran == [] and not (tmp_path / "site").exists()
+
+
+def test_install_loop_imports_ray_after_the_lean_folder_and_names_what_is_missing(
+    tmp_path, monkeypatch
+):
+    """Ray imports packages that only the lean bundle carries (jsonschema): the import check
+    puts the lean folder on the path, and without it the error names the missing module."""
+    files = fake_files(tmp_path / "in", {"ray": 500, "torch-memory-saver": 300})
+    parts.bundle(files, tmp_path / "loop", cap=1000)
+
+    def pip(cmd: list[str]) -> None:  # the wheels are stand-ins: write what they would install
+        staging = Path(cmd[cmd.index("--target") + 1])
+        for package, body in (("ray", "import only_in_lean\n__version__ = '9'\n"),
+                              ("torch_memory_saver", "")):  # fmt: skip
+            (staging / package).mkdir(parents=True)
+            (staging / package / "__init__.py").write_text(body)
+
+    monkeypatch.setattr(gpu_wheels, "_run", pip)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    site, lean = tmp_path / "site", tmp_path / "lean"
+    with pytest.raises(UpstreamError, match="is not here") as e:
+        gpu_lean.install_loop(tmp_path / "loop", site, lean)
+    assert str(lean) in str(e.value) and not site.exists()
+    with pytest.raises(UpstreamError, match="No module named 'only_in_lean'") as e:
+        gpu_lean.install_loop(tmp_path / "loop", site)
+    assert f"PYTHONPATH={site}:" in str(e.value) and "--lean" in str(e.value), e.value
+    lean.mkdir()
+    (lean / "only_in_lean.py").write_text("")
+    gpu_lean.install_loop(tmp_path / "loop", site, lean)
+    assert (site / "ray" / "__init__.py").is_file() and (site / gpu_lean.INSTALLED).is_file()

@@ -298,9 +298,14 @@ def build_loop(wheels: Path, out: Path, *, limit: int = LIMIT) -> dict:
     return manifest
 
 
-def install_loop(bundle: Path, target: Path) -> None:
+def install_loop(bundle: Path, target: Path, lean: Path | None = None) -> None:
     """Check every part of the loop bundle (all must be here), join Ray's pieces, `pip install
-    --target` the wheels, and import ray and torch_memory_saver with it on the path."""
+    --target` the wheels, and import ray and torch_memory_saver with it on the path, after the
+    lean bundle's folder `lean`: Ray's requirements that the lean list carries (jsonschema
+    among them) are left out of the loop list and come from there."""
+    if lean is not None and not lean.is_dir():
+        raise UpstreamError(f"the lean bundle's folder {lean} is not here: install it first "
+                            "(`gpu_lean install`), or name it with --lean")  # fmt: skip
     manifest = parts.load_manifest(bundle)
     missing = [k for k in range(1, manifest["parts"] + 1) if not parts.part_dir(bundle, k).is_dir()]
     if missing:
@@ -318,11 +323,17 @@ def install_loop(bundle: Path, target: Path) -> None:
     _replace(target, staging)
     shutil.rmtree(bundle / "joined", ignore_errors=True)
     print(f"{target}: {len(paths)} wheels; add it to PYTHONPATH after the lean bundle's folder")
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(target)) if p)
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), lean and str(lean),
+                                       str(target)) if p)  # fmt: skip
     code = "import ray, torch_memory_saver; print('imported ray', ray.__version__)"
     env = {**os.environ, "PYTHONPATH": path}
-    if subprocess.run([sys.executable, "-c", code], env=env).returncode:
-        raise UpstreamError(f"ray or torch_memory_saver does not import with PYTHONPATH={path}")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    print(done.stdout, end="")
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no error output)"])[-1]
+        raise UpstreamError(f"ray or torch_memory_saver does not import with PYTHONPATH={path}: "
+                            f"{last}; the loop's parts leave out what the lean bundle carries, "
+                            "so its folder must be on the path (--lean)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("install-loop", help="GPU host: check the loop's parts, install, import")
     p.add_argument("--bundle", type=Path, default=None, help="default: build/gpu-loop")
     p.add_argument("--target", type=Path, default=None, help="default: build/gpu-site-loop")
+    p.add_argument(
+        "--lean",
+        type=Path,
+        default=None,
+        help="the lean bundle's folder (default: build/gpu-site where it exists)",
+    )
     args = ap.parse_args(argv)
     try:
         root = args.root.resolve() if args.root else find_root()
@@ -353,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             build_loop(wheels, (args.out or root / "build" / "gpu-loop").resolve())
         elif args.cmd == "install-loop":
             bundle = (args.bundle or root / "build" / "gpu-loop").resolve()
-            install_loop(bundle, (args.target or root / "build" / "gpu-site-loop").resolve())
+            lean = args.lean or root / "build" / "gpu-site"
+            lean = lean.resolve() if args.lean or lean.is_dir() else None
+            install_loop(bundle, (args.target or root / "build" / "gpu-site-loop").resolve(), lean)
         else:
             bundle = (args.bundle or root / "build" / "gpu-lean").resolve()
             install(root, bundle, (args.target or root / "build" / "gpu-site").resolve())
